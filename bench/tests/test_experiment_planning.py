@@ -1,0 +1,114 @@
+"""The parts of the experiments that decide what runs (budgets, instance counts, verdicts),
+without starting vLLM."""
+
+import dataclasses
+
+import pytest
+
+from pegaflow.bench.experiments import multi_instance as mi
+from pegaflow.bench.experiments import startup
+from pegaflow.bench.experiments.common import window_covering
+from pegaflow.bench.harness import cachesim, models, traces
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize("setup", [mi.REGRESSION, mi.FULL, dataclasses.replace(mi.FULL, num_instances=7)])
+def test_budget_gives_both_layouts_the_same_total_and_the_shared_pool_the_working_set(setup):
+    blocks = cachesim.trace_blocks(traces.generate(setup.trace), models.CPU_BLOCK_TOKENS)
+    block_bytes = models.block_bytes(setup.model)
+    plan = mi.plan_budget(setup, blocks, block_bytes)
+    n = setup.num_instances
+    assert plan["shared_pool_bytes"] == n * plan["isolated_pool_bytes"]
+    assert plan["shared_capacity_blocks"] >= n * plan["isolated_capacity_blocks_each"] > 0
+    assert plan["shared_capacity_blocks"] >= plan["target_blocks"]
+    # the working set does not fit in one isolated pool...
+    assert plan["isolated_capacity_blocks_each"] < plan["target_blocks"]
+    # ...and the replay model says sharing the same budget wins clearly
+    model = plan["lru_model"]
+    assert model["shared"]["block_hit_rate"] > model["isolated"]["block_hit_rate"] + mi.REGRESSION_MIN_GAP
+    assert model["shared"]["block_hit_rate"] <= plan["exact_ceiling"]
+
+
+def test_an_explicit_budget_is_split_evenly():
+    setup = dataclasses.replace(mi.REGRESSION, budget_bytes=32 << 20)
+    blocks = cachesim.trace_blocks(traces.generate(setup.trace), models.CPU_BLOCK_TOKENS)
+    plan = mi.plan_budget(setup, blocks, models.block_bytes(setup.model))
+    assert plan["shared_pool_bytes"] == 32 << 20 and plan["isolated_pool_bytes"] == 16 << 20
+    assert plan["target_blocks"] is None
+
+
+def test_instances_that_fit_follow_free_memory_within_3_to_8():
+    footprint = mi.instance_footprint(mi.FULL)
+    assert mi.instances_that_fit(mi.FULL, available=2 * GIB) == 3
+    assert mi.instances_that_fit(mi.FULL, available=mi.MEMORY_HEADROOM + 5 * footprint) == 5
+    assert mi.instances_that_fit(mi.FULL, available=200 * GIB) == 8
+
+
+def test_hll_window_is_the_shortest_that_covers_the_run():
+    windows = {"15m": 900.0, "1h": 3600.0, "24h": 86400.0}
+    assert window_covering(windows, 300) == "15m"
+    assert window_covering(windows, 901) == "1h"
+    assert window_covering(windows, 10**6) == "24h"
+    assert window_covering({}, 10) is None
+
+
+def _report(shared_rate, isolated_rate, failed=0):
+    def summary(rate):
+        return {**_full_summary(rate), "failed": failed, "errors": [], "responses_without_cached_tokens": 0}
+
+    report = {
+        "arms": {
+            "shared": {"summary": summary(shared_rate)},
+            "isolated": {"summary": summary(isolated_rate)},
+        },
+        "budget": {"lru_model": {"shared": {"block_hit_rate": 0.75}, "isolated": {"block_hit_rate": 0.43}}},
+    }
+    report["comparison"] = mi.compare(
+        report["arms"]["shared"]["summary"], report["arms"]["isolated"]["summary"]
+    )
+    report["comparison"]["isolated_arm"] = "isolated"
+    return report
+
+
+def _full_summary(rate):
+    return {
+        "throughput_rps": 1.0,
+        "ttft_mean_s": 1.0,
+        "ttft_p99_s": 1.0,
+        "request_hit_rate": rate,
+        "block_hit_rate": rate,
+    }
+
+
+def test_regression_verdict():
+    assert mi.regression_verdict(_report(0.75, 0.41)) == (True, [])
+    ok, problems = mi.regression_verdict(_report(0.55, 0.41))
+    assert not ok and "not 0.2 above" in problems[0]
+    ok, problems = mi.regression_verdict(_report(0.75, 0.41, failed=1))
+    assert not ok and "failed" in problems[0]
+    ok, problems = mi.regression_verdict({"arms": {}})
+    assert not ok
+
+
+def test_compare_reports_relative_changes():
+    shared = {**_full_summary(0.8), "throughput_rps": 3.0, "ttft_mean_s": 0.5, "ttft_p99_s": 2.0}
+    isolated = {**_full_summary(0.2), "throughput_rps": 2.0, "ttft_mean_s": 1.0, "ttft_p99_s": 4.0}
+    c = mi.compare(shared, isolated)
+    assert c["throughput_gain"] == pytest.approx(0.5)
+    assert c["ttft_mean_change"] == pytest.approx(-0.5)
+    assert c["ttft_p99_change"] == pytest.approx(-0.5)
+    assert c["request_hit_rate_ratio"] == pytest.approx(4.0)
+    assert c["block_hit_rate_gap"] == pytest.approx(0.6)
+
+
+def test_startup_refuses_a_pool_that_does_not_fit(monkeypatch):
+    monkeypatch.setattr(startup, "mem_available_bytes", lambda: 10 * GIB)
+    with pytest.raises(SystemExit, match="largest size that fits now is ~7 GiB"):
+        startup.check_memory(startup.Setup(sizes_bytes=(16 * GIB,)))
+    assert startup.check_memory(startup.Setup(sizes_bytes=(4 * GIB,)))["needed_bytes"] == 7 * GIB
+
+
+def test_startup_stats_use_the_median():
+    s = startup.stats_of([30.0, 10.0, 20.0, 100.0])
+    assert (s["median"], s["min"], s["max"], s["runs"]) == (25.0, 10.0, 100.0, 4)

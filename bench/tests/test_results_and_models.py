@@ -1,0 +1,73 @@
+import csv
+import json
+
+import pytest
+
+from pegaflow.bench.harness import models, results
+from pegaflow.server.pool.allocator import SlabAllocator
+
+
+def rec(index, prompt, cached, ttft, ok=True, start=0.0, e2e=1.0, instance=0):
+    return {
+        "index": index,
+        "instance": instance,
+        "kind": "session",
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "ttft_s": ttft if ok else None,
+        "e2e_s": e2e,
+        "start": start,
+        "ok": ok,
+        "error": None if ok else "StreamError: boom",
+    }
+
+
+def test_summary_hit_rates_and_latencies():
+    records = [
+        rec(0, 300, 0, 1.0, start=0.0, e2e=2.0),  # 2 full blocks of 128, none loaded
+        rec(1, 300, 256, 0.2, start=1.0, e2e=1.0),  # both loaded
+        rec(2, 520, 128, 0.4, start=2.0, e2e=2.0, instance=1),  # 1 of 4 loaded
+        rec(3, 100, 0, None, ok=False, start=3.0, e2e=0.5),
+    ]
+    s = results.summarize_requests(records, block_tokens=128)
+    assert (s["requests"], s["succeeded"], s["failed"]) == (4, 3, 1)
+    assert s["errors"] == ["StreamError: boom"]
+    assert s["duration_s"] == pytest.approx(4.0)
+    assert s["throughput_rps"] == pytest.approx(3 / 4.0)
+    assert s["ttft_mean_s"] == pytest.approx((1.0 + 0.2 + 0.4) / 3)
+    assert s["full_prompt_blocks"] == 8 and s["loaded_blocks"] == 3
+    assert s["block_hit_rate"] == pytest.approx(3 / 8)
+    assert s["request_hit_rate"] == pytest.approx(2 / 3)
+    assert s["token_hit_rate"] == pytest.approx(384 / 1120)
+    by = results.summarize_by(records, "instance", 128)
+    assert by["1"]["requests"] == 1 and by["0"]["requests"] == 3
+
+
+def test_missing_usage_is_reported_not_hidden():
+    s = results.summarize_requests([rec(0, 300, None, 0.1)], 128)
+    assert s["responses_without_cached_tokens"] == 1
+
+
+def test_write_json_and_csv(tmp_path):
+    results.write_json(tmp_path / "a" / "r.json", {"x": [1, 2], "p": tmp_path})
+    assert json.loads((tmp_path / "a" / "r.json").read_text())["x"] == [1, 2]
+    results.write_csv(tmp_path / "r.csv", [{"a": 1}, {"a": 2, "b": 3}])
+    rows = list(csv.DictReader((tmp_path / "r.csv").open()))
+    assert rows == [{"a": "1", "b": ""}, {"a": "2", "b": "3"}]
+
+
+@pytest.mark.parametrize("pool_mib, block_kib", [(12, 1024), (24, 1024), (256, 1024), (100, 256), (64, 300)])
+def test_pool_capacity_matches_what_the_server_allocator_really_hands_out(pool_mib, block_kib):
+    pool, block = pool_mib << 20, block_kib << 10
+    alloc = SlabAllocator(pool)
+    granted = 0
+    while alloc.allocate(block) is not None:
+        granted += 1
+    assert models.pool_capacity_blocks(pool, block) == granted
+
+
+def test_smallest_pool_for_blocks_and_bench_model_geometry():
+    assert models.block_bytes(models.BENCH_MODEL) == 1 << 20
+    size = models.smallest_pool_for_blocks(68, 1 << 20)
+    assert models.pool_capacity_blocks(size, 1 << 20) >= 68
+    assert models.pool_capacity_blocks(size - (1 << 20), 1 << 20) < 68

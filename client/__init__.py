@@ -1,0 +1,37 @@
+"""The pegaflow client: ``PegaClient`` (sync) and ``AsyncPegaClient`` (asyncio).
+
+from pegaflow.client import PegaClient, KvLayout, errors
+"""
+
+from pegaflow.client import errors
+from pegaflow.client.aio import AsyncPegaClient
+from pegaflow.client.block_copy import read_blocks, write_blocks
+from pegaflow.client.sync import PegaClient
+from pegaflow.client.types import (
+    Allocation,
+    AllocStatus,
+    InstanceHandle,
+    KvLayout,
+    Location,
+    PrefixHit,
+    SaveBatch,
+    ServerLimits,
+    Tier,
+)
+
+__all__ = [
+    "Allocation",
+    "AllocStatus",
+    "AsyncPegaClient",
+    "InstanceHandle",
+    "KvLayout",
+    "Location",
+    "PegaClient",
+    "PrefixHit",
+    "SaveBatch",
+    "ServerLimits",
+    "Tier",
+    "errors",
+    "read_blocks",
+    "write_blocks",
+]

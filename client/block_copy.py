@@ -1,0 +1,93 @@
+"""Copying KV blocks between caller arrays and the mapped pool, in as few numpy copies as possible.
+
+Adjacent pool locations whose source rows are adjacent too are merged into one
+copy (a fresh slab hands out consecutive slots, so a batch is usually a few
+long runs). Large numpy copies release the GIL, so other threads (the
+heartbeat, another rank's requests) keep running while bytes move.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def _runs(locations: Sequence) -> list[tuple[int, int, int, int]]:
+    """(first index, count, pool offset, block length) of maximal runs of adjacent, equal-length locations."""
+    runs: list[tuple[int, int, int, int]] = []
+    previous = -2  # index of the last location placed in a run
+    for i, loc in enumerate(locations):
+        if loc is None or not loc.length:  # None, or an Allocation that was not GRANTED
+            continue
+        offset, length = loc.offset, loc.length
+        if previous == i - 1:
+            first, count, base, run_len = runs[-1]
+            if length == run_len and offset == base + count * run_len:
+                runs[-1] = (first, count + 1, base, run_len)
+                previous = i
+                continue
+        runs.append((i, 1, offset, length))
+        previous = i
+    return runs
+
+
+def _check(view: np.ndarray, locations: Sequence, blocks) -> None:
+    if view.dtype != np.uint8 or view.ndim != 1:
+        raise ValueError("view must be the 1-D uint8 pool view")
+    if len(blocks) != len(locations):
+        raise ValueError(f"{len(blocks)} blocks for {len(locations)} locations")
+    for loc in locations:
+        if loc is not None and (loc.offset < 0 or loc.offset + loc.length > view.size):
+            raise ValueError(f"location ({loc.offset}, {loc.length}) lies outside the pool")
+
+
+def _row(blocks, i: int, length: int) -> np.ndarray:
+    row = np.asarray(blocks[i]).reshape(-1).view(np.uint8)
+    if row.size != length:
+        raise ValueError(f"block {i} has {row.size} bytes, its location holds {length}")
+    return row
+
+
+def write_blocks(view: np.ndarray, locations: Sequence, blocks) -> int:
+    """Copies ``blocks[i]`` to ``locations[i]``. Returns bytes copied.
+
+    ``locations`` may be a SaveBatch's ``allocations`` as is: entries that are
+    None or not GRANTED (length 0) are skipped, with their rows.
+
+    ``blocks`` is a C-contiguous 2-D array (one row per block; runs are merged)
+    or a sequence of per-block arrays (bytes-like of the right length).
+    """
+    _check(view, locations, blocks)
+    rows2d = isinstance(blocks, np.ndarray) and blocks.ndim == 2 and blocks.flags.c_contiguous
+    copied = 0
+    for first, count, offset, length in _runs(locations):
+        if rows2d and blocks.shape[1] * blocks.itemsize == length:
+            src = blocks[first : first + count].reshape(-1).view(np.uint8)
+            np.copyto(view[offset : offset + count * length], src)
+        else:
+            for k in range(count):
+                start = offset + k * length
+                np.copyto(view[start : start + length], _row(blocks, first + k, length))
+        copied += count * length
+    return copied
+
+
+def read_blocks(view: np.ndarray, locations: Sequence, out) -> int:
+    """Copies ``locations[i]`` into ``out[i]`` (skipping None / zero-length entries). Returns bytes copied.
+
+    ``out`` is a writable C-contiguous 2-D array or a sequence of writable per-block arrays.
+    """
+    _check(view, locations, out)
+    rows2d = isinstance(out, np.ndarray) and out.ndim == 2 and out.flags.c_contiguous
+    copied = 0
+    for first, count, offset, length in _runs(locations):
+        if rows2d and out.shape[1] * out.itemsize == length:
+            dst = out[first : first + count].reshape(-1).view(np.uint8)
+            np.copyto(dst, view[offset : offset + count * length])
+        else:
+            for k in range(count):
+                start = offset + k * length
+                np.copyto(_row(out, first + k, length), view[start : start + length])
+        copied += count * length
+    return copied

@@ -1,0 +1,233 @@
+"""PegaClient / AsyncPegaClient against real servers: deadlines, reconnects, threads, epochs."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from pegaflow.client import AsyncPegaClient, KvLayout, PegaClient, errors, read_blocks, write_blocks
+from pegaflow.client.backoff import Backoff
+from pegaflow.client.types import Allocation, AllocStatus, Location
+from pegaflow.server.config import MIB, ServerConfig
+from pegaflow.server.runtime import start_server
+from pegaflow.server.testing import ServerProcess, free_port
+
+BLOCK = 64 * 1024
+LAYOUT = KvLayout(model_id="m", block_bytes=BLOCK, dtype="bfloat16", block_tokens=16, num_layers=2)
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def wait_for(predicate, timeout_s: float = 30.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"condition not reached within {timeout_s} s")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def inproc_server(tmp_path):
+    srv = start_server(
+        ServerConfig(
+            pool_size_bytes=32 * MIB,
+            addr="127.0.0.1:0",
+            http_addr=None,
+            fd_socket_path=str(tmp_path / "pool.sock"),
+        )
+    )
+    yield srv
+    srv.stop()
+
+
+def roundtrip(c: PegaClient, inst, tag: str, n: int = 8) -> bool:
+    hashes = [f"{tag}-{i}".encode() for i in range(n)]
+    data = np.random.default_rng(abs(hash(tag)) % 2**32).integers(0, 256, size=(n, BLOCK), dtype=np.uint8)
+    batch = c.allocate(inst, hashes)
+    write_blocks(c.pool_view(batch.epoch), batch.allocations, data)
+    if batch.save_id:
+        c.seal(batch.save_id)
+    hit = c.query_prefix(inst, hashes, lease=True)
+    out = np.empty_like(data)
+    read_blocks(c.pool_view(hit.epoch), hit.locations, out)
+    c.release(hit.lease_id, loaded_bytes=out.nbytes)
+    return hit.num_hits == n and np.array_equal(out, data)
+
+
+def test_connect_to_nothing_raises_server_unavailable():
+    c = PegaClient(f"127.0.0.1:{free_port()}", timeout_s=1.0)
+    try:
+        with pytest.raises(errors.ServerUnavailable):
+            c.connect()
+        inst = c.register_instance(LAYOUT)  # no server: handle comes back unregistered
+        assert not inst.registered
+        with pytest.raises(errors.ServerUnavailable):
+            c.query_prefix(inst, [b"a"])
+        with pytest.raises(errors.ServerUnavailable):
+            c.stats()
+    finally:
+        c.close()
+
+
+def test_instances_registered_while_the_server_is_down_get_registered_when_it_comes(tmp_path):
+    addr = f"127.0.0.1:{free_port()}"
+    c = PegaClient(addr, timeout_s=2.0)
+    srv = ServerProcess(tmp_path, pool_size="32mb", addr=addr, http_addr=None)
+    try:
+        with pytest.raises(errors.ServerUnavailable):
+            c.connect()
+        inst = c.register_instance(LAYOUT, name="early")
+        srv.start()
+        wait_for(lambda: inst.registered)
+        assert roundtrip(c, inst, "late")
+        assert c.stats().live_instances == 1
+    finally:
+        c.close()
+        srv.stop()
+
+
+def test_one_client_many_threads(inproc_server):
+    with PegaClient(inproc_server.address, timeout_s=10.0) as c:
+        inst = c.register_instance(LAYOUT)
+        results: list[bool] = []
+        failures: list[BaseException] = []
+
+        def worker(k: int) -> None:
+            try:
+                for r in range(5):
+                    results.append(roundtrip(c, inst, f"t{k}-{r}", n=4))
+            except BaseException as exc:  # surfaced below
+                failures.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not failures, failures
+        assert results == [True] * 40
+
+
+def test_calls_end_at_their_deadline_when_the_server_is_stuck(inproc_server):
+    with PegaClient(inproc_server.address, timeout_s=5.0) as c:
+        inst = c.register_instance(LAYOUT)
+        engine = inproc_server.engine
+        with engine._lock:  # the server cannot serve anything that needs the engine
+            with pytest.raises(errors.DeadlineExceeded):
+                c.allocate(inst, [b"stuck"], timeout_s=0.3)
+            with pytest.raises(errors.DeadlineExceeded):
+                c.query_prefix(inst, [b"stuck"], lease=True, timeout_s=0.3)
+        assert c.connected
+        wait_for(lambda: c.stats().writing_blocks == 0 and c.stats().live_leases == 0)
+        assert c.query_prefix(inst, [b"stuck"]).num_hits == 0
+
+
+def test_close_ends_the_session_and_frees_its_state(inproc_server):
+    watcher = PegaClient(inproc_server.address, timeout_s=5.0)
+    watcher.connect()
+    c = PegaClient(inproc_server.address, timeout_s=5.0)
+    c.connect()
+    inst = c.register_instance(LAYOUT)
+    c.allocate(inst, [b"pending"])
+    assert watcher.stats().live_sessions == 2 and watcher.stats().writing_blocks == 1
+    c.close()
+    stats = watcher.stats()
+    assert stats.live_sessions == 1 and stats.writing_blocks == 0 and stats.live_instances == 0
+    with pytest.raises(errors.PegaflowError):
+        c.stats()
+    watcher.close()
+
+
+def test_the_session_is_replaced_when_the_server_forgets_it(inproc_server):
+    with PegaClient(inproc_server.address, timeout_s=5.0) as c:
+        inst = c.register_instance(LAYOUT)
+        first = c.session_id
+        inproc_server.engine.close_session(first)  # as if it had expired
+        with pytest.raises(errors.SessionLost):
+            c.query_prefix(inst, [b"a"])
+        wait_for(lambda: c.connected and inst.registered and c.session_id != first)
+        assert c.epoch == inproc_server.epoch  # same server, same pool
+        assert roundtrip(c, inst, "after-session-loss")
+
+
+def test_async_client_roundtrip_and_reconnect(tmp_path):
+    addr = f"127.0.0.1:{free_port()}"
+    srv = ServerProcess(tmp_path, pool_size="32mb", addr=addr, http_addr=None).start()
+
+    async def scenario():
+        c = AsyncPegaClient(addr, timeout_s=5.0, name="aio")
+        await c.connect()
+        try:
+            inst = await c.register_instance(LAYOUT)
+            hashes = [b"a1", b"a2", b"a3"]
+            data = np.arange(3 * BLOCK, dtype=np.uint64).astype(np.uint8).reshape(3, BLOCK)
+            batch = await c.allocate(inst, hashes)
+            write_blocks(c.pool_view(batch.epoch), batch.allocations, data)
+            assert await c.seal(batch.save_id) == 3
+            hit = await c.query_prefix(inst, hashes, lease=True)
+            out = np.empty_like(data)
+            read_blocks(c.pool_view(hit.epoch), hit.locations, out)
+            assert [loc.offset for loc in await c.load_blocks(inst, hit.lease_id)] == [
+                loc.offset for loc in hit.locations
+            ]
+            await c.release(hit.lease_id, loaded_bytes=out.nbytes)
+            assert np.array_equal(out, data)
+            assert (await c.stats()).resident_blocks == 3
+            old_epoch = c.epoch
+            srv.kill()
+            with pytest.raises(errors.ServerUnavailable):
+                await c.query_prefix(inst, hashes)
+            srv.start()
+            deadline = time.monotonic() + 30
+            while not (c.connected and inst.registered and c.epoch == srv.epoch):
+                assert time.monotonic() < deadline, "no reconnect"
+                await asyncio.sleep(0.05)
+            with pytest.raises(errors.StaleEpoch):
+                c.pool_view(old_epoch)
+            assert (await c.query_prefix(inst, hashes)).num_hits == 0
+        finally:
+            await c.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        srv.stop()
+
+
+def test_block_copy_merges_adjacent_runs_and_skips_ungranted():
+    pool = np.zeros(64 * 1024, dtype=np.uint8)
+    rows = np.random.default_rng(3).integers(0, 256, size=(5, 1024), dtype=np.uint8)
+    locs = [
+        Allocation(AllocStatus.GRANTED, 0, 1024),
+        Allocation(AllocStatus.GRANTED, 1024, 1024),  # adjacent: one copy with the first
+        Allocation(AllocStatus.EXISTS),  # skipped
+        Allocation(AllocStatus.GRANTED, 8192, 1024),
+        Allocation(AllocStatus.GRANTED, 4096, 1024),  # not adjacent to the previous one
+    ]
+    assert write_blocks(pool, locs, rows) == 4 * 1024
+    assert np.array_equal(pool[0:2048], rows[0:2].reshape(-1))
+    assert np.array_equal(pool[8192:9216], rows[3]) and np.array_equal(pool[4096:5120], rows[4])
+    out = np.zeros_like(rows)
+    assert read_blocks(pool, locs, out) == 4 * 1024
+    assert np.array_equal(out[[0, 1, 3, 4]], rows[[0, 1, 3, 4]]) and not out[2].any()
+    listed = [np.empty(1024, dtype=np.uint8) for _ in range(2)]
+    read_blocks(pool, [Location(8192, 1024), Location(0, 1024)], listed)
+    assert np.array_equal(listed[0], rows[3]) and np.array_equal(listed[1], rows[0])
+    with pytest.raises(ValueError):
+        write_blocks(pool, [Location(64 * 1024 - 10, 1024)], rows[:1])
+    with pytest.raises(ValueError):
+        write_blocks(pool, [Location(0, 512)], rows[:1])
+
+
+def test_backoff_grows_jittered_and_caps():
+    b = Backoff(base_s=0.1, cap_s=1.0, rng=random.Random(0))
+    delays = [b.next() for _ in range(10)]
+    assert all(0.05 <= d <= 1.0 for d in delays)
+    assert max(delays[:2]) <= 0.2 and min(delays[5:]) >= 0.5
+    b.reset()
+    assert b.next() <= 0.1

@@ -1,0 +1,182 @@
+"""PegaKVConnector settings: `kv_connector_extra_config` keys plus PEGAFLOW_HOST/PEGAFLOW_PORT.
+
+Every key is optional:
+
+  server_addr            "host:port" of pegaflow-server's gRPC endpoint. Default: from
+                         PEGAFLOW_HOST (default "http://127.0.0.1"; a scheme is stripped)
+                         and PEGAFLOW_PORT (default 50055).
+  lookup_timeout_ms      deadline of the scheduler's prefix lookup, which runs inside the
+                         engine step (default 200).
+  load_timeout_ms        the most one step waits for its loads (lease RPC + copies);
+                         loads that have not landed by then are recomputed (default 500).
+  rpc_timeout_ms         deadline of calls off the step's path: connect, register, allocate,
+                         seal, release, health probes (default 2000).
+  retry_interval_s       longest wait between attempts to attach to, or re-probe, a server
+                         that is down or slow (default 2.0; attempts back off from 0.1 s).
+  max_pending_saves      save batches queued behind the one in flight; more are dropped, so
+                         a slow server cannot hold vLLM's blocks (default 16).
+  model_id               model identity in the namespace (default: the served model's path
+                         or name). Set it to share a cache between copies of one model at
+                         different paths, or to separate weights replaced in place.
+  namespace_salt         extra string mixed into the namespace (default "").
+  honor_kv_load_failure_policy
+                         false (default): the connector sets vLLM's kv_load_failure_policy
+                         to "recompute", so a failed load is recomputed, never a failed
+                         request (vLLM's default "fail" is indistinguishable from an explicit
+                         "fail"). true: keep whatever kv_load_failure_policy says.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+DEFAULT_HOST = "http://127.0.0.1"
+DEFAULT_PORT = 50055
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectorConfig:
+    server_addr: str
+    lookup_timeout_s: float = 0.2
+    load_timeout_s: float = 0.5
+    rpc_timeout_s: float = 2.0
+    retry_interval_s: float = 2.0
+    max_pending_saves: int = 16
+    model_id: str | None = None
+    namespace_salt: str = ""
+    honor_kv_load_failure_policy: bool = False
+
+    @property
+    def worst_step_stall_s(self) -> float:
+        """The longest a slow or stopped server can delay one engine step: one lookup
+        deadline in the scheduler plus one load deadline in each worker (saves never
+        block a step). After the first miss the circuit breaker skips the server."""
+        return self.lookup_timeout_s + self.load_timeout_s
+
+
+_MS_KEYS = {
+    "lookup_timeout_ms": "lookup_timeout_s",
+    "load_timeout_ms": "load_timeout_s",
+    "rpc_timeout_ms": "rpc_timeout_s",
+}
+_KNOWN_KEYS = frozenset(
+    {
+        "server_addr",
+        *_MS_KEYS,
+        "retry_interval_s",
+        "max_pending_saves",
+        "model_id",
+        "namespace_salt",
+        "honor_kv_load_failure_policy",
+    }
+)
+
+
+def server_addr_from_env(env: Mapping[str, str] | None = None) -> str:
+    """gRPC target from PEGAFLOW_HOST / PEGAFLOW_PORT: "http://10.0.0.5" + "50055" -> "10.0.0.5:50055"."""
+    env = os.environ if env is None else env
+    host = (env.get("PEGAFLOW_HOST") or DEFAULT_HOST).strip()
+    port_text = (env.get("PEGAFLOW_PORT") or "").strip()
+    if "://" in host:
+        host = host.split("://", 1)[1]
+    host = host.rstrip("/")
+    if not host:
+        raise ValueError("PEGAFLOW_HOST is empty after removing its scheme")
+    if "/" in host:
+        raise ValueError(f"PEGAFLOW_HOST must be a host (optionally with scheme), got {host!r}")
+    if port_text:
+        port = _parse_port(port_text, "PEGAFLOW_PORT")
+        host = _strip_port(host)
+    elif _has_port(host):
+        return host
+    else:
+        port = DEFAULT_PORT
+    return f"{host}:{port}"
+
+
+def _has_port(host: str) -> bool:
+    if host.startswith("["):  # [ipv6]:port
+        return "]:" in host
+    return host.count(":") == 1
+
+
+def _strip_port(host: str) -> str:
+    if host.startswith("["):
+        return host.split("]", 1)[0] + "]"
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def _parse_port(text: str, what: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise ValueError(f"{what} must be a port number, got {text!r}") from None
+    if not 0 < port < 65536:
+        raise ValueError(f"{what} must be in 1..65535, got {port}")
+    return port
+
+
+def _positive_float(key: str, value: Any) -> float:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"kv_connector_extra_config[{key!r}] must be a number, got {value!r}") from None
+    if not out > 0:
+        raise ValueError(f"kv_connector_extra_config[{key!r}] must be > 0, got {value!r}")
+    return out
+
+
+def _bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    raise ValueError(f"kv_connector_extra_config[{key!r}] must be true or false, got {value!r}")
+
+
+def load_config(extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> ConnectorConfig:
+    """Validate kv_connector_extra_config; unknown keys are an error (a typo would otherwise
+    silently fall back to a default)."""
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - _KNOWN_KEYS)
+    if unknown:
+        raise ValueError(
+            f"unknown PegaKVConnector kv_connector_extra_config key(s) {unknown}; "
+            f"known: {sorted(_KNOWN_KEYS)}"
+        )
+    kwargs: dict[str, Any] = {}
+    addr = extra.get("server_addr")
+    if addr is not None:
+        if not isinstance(addr, str) or not _has_port(addr.split("://", 1)[-1]):
+            raise ValueError(f"kv_connector_extra_config['server_addr'] must be 'host:port', got {addr!r}")
+        kwargs["server_addr"] = addr.split("://", 1)[-1].rstrip("/")
+    else:
+        kwargs["server_addr"] = server_addr_from_env(env)
+    for key, field in _MS_KEYS.items():
+        if key in extra:
+            kwargs[field] = _positive_float(key, extra[key]) / 1000.0
+    if "retry_interval_s" in extra:
+        kwargs["retry_interval_s"] = _positive_float("retry_interval_s", extra["retry_interval_s"])
+    if "max_pending_saves" in extra:
+        value = extra["max_pending_saves"]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(
+                f"kv_connector_extra_config['max_pending_saves'] must be an int >= 1, got {value!r}"
+            )
+        kwargs["max_pending_saves"] = value
+    for key in ("model_id", "namespace_salt"):
+        if key in extra:
+            value = extra[key]
+            if not isinstance(value, str) or (key == "model_id" and not value):
+                raise ValueError(
+                    f"kv_connector_extra_config[{key!r}] must be a non-empty string, got {value!r}"
+                )
+            kwargs[key] = value
+    if "honor_kv_load_failure_policy" in extra:
+        kwargs["honor_kv_load_failure_policy"] = _bool(
+            "honor_kv_load_failure_policy", extra["honor_kv_load_failure_policy"]
+        )
+    return ConnectorConfig(**kwargs)

@@ -1,0 +1,225 @@
+"""PegaKVConnector: vLLM's KV connector (v1 API) over pegaflow-server.
+
+vLLM builds it twice: in EngineCore with role SCHEDULER (-> scheduler.py) and in each
+worker with role WORKER (-> worker.py). The API server imports this module only to look
+at the class, so importing it loads nothing beyond vLLM's own connector base; gRPC and
+the client load when a role starts.
+
+The cache is best effort by construction: a down, dying or slow server turns into cache
+misses and recomputation, never into a failed request or a stalled engine (see
+config.py for the deadlines and README.md for the bound on one step's stall).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from pegaflow.connector.config import load_config
+from pegaflow.connector.metadata import PegaConnectorMetadata
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+    from pegaflow.connector.scheduler import SchedulerConnector
+    from pegaflow.connector.worker import WorkerConnector
+
+log = logging.getLogger("vllm.pegaflow.connector")
+
+
+def _own_log_level() -> None:
+    """PEGAFLOW_LOG_LEVEL=DEBUG shows the connector's per-step timings without vLLM's own
+    debug logs (vLLM's handler drops records below VLLM_LOGGING_LEVEL, so ours get their own)."""
+    level = os.environ.get("PEGAFLOW_LOG_LEVEL", "").upper()
+    root = logging.getLogger("vllm.pegaflow")
+    if not level or getattr(root, "_pegaflow_handler", False):
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(
+        logging.Formatter("%(levelname)s %(asctime)s [pid %(process)d %(name)s] %(message)s")
+    )
+    root.addHandler(handler)
+    root.setLevel(level)
+    root.propagate = False
+    root._pegaflow_handler = True  # type: ignore[attr-defined]
+
+
+_own_log_level()
+
+
+class PegaKVConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        self._cfg = load_config(transfer.kv_connector_extra_config)
+        self._scheduler: SchedulerConnector | None = None
+        self._worker: WorkerConnector | None = None
+        self._link = None
+        layouts = self._layouts(vllm_config, kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            self._init_scheduler(vllm_config, layouts)
+        else:
+            self._init_worker(vllm_config, kv_cache_config, layouts)
+
+    def _layouts(self, vllm_config: Any, kv_cache_config: Any) -> list | None:
+        from pegaflow.connector.namespace import UnsupportedLayout, build_layouts
+
+        try:
+            return build_layouts(vllm_config, kv_cache_config, self._cfg.model_id, self._cfg.namespace_salt)
+        except UnsupportedLayout as exc:
+            log.error(
+                "pegaflow: this engine's KV cache is not supported (%s); serving without the cache", exc
+            )
+            return None
+
+    def _init_scheduler(self, vllm_config: Any, layouts: list | None) -> None:
+        from pegaflow.connector.scheduler import SchedulerConnector, ServerPrefixLookup
+        from pegaflow.connector.server_link import ServerLink
+
+        transfer = self._kv_transfer_config
+        if not self._cfg.honor_kv_load_failure_policy and transfer.kv_load_failure_policy != "recompute":
+            # vLLM reads this right after building the scheduler connector: a load the cache
+            # cannot complete must cost a recompute, not the request
+            transfer.kv_load_failure_policy = "recompute"
+        lookup = None
+        if layouts is not None:
+            self._link = ServerLink(
+                self._cfg.server_addr,
+                layouts,
+                client_name="vllm-scheduler",
+                instance_name=_instance_name(transfer, "sched"),
+                rpc_timeout_s=self._cfg.rpc_timeout_s,
+                retry_interval_s=self._cfg.retry_interval_s,
+                probe_timeout_s=self._cfg.lookup_timeout_s,
+            )
+            self._link.start()
+            lookup = ServerPrefixLookup(self._link, self._cfg.lookup_timeout_s)
+        self._scheduler = SchedulerConnector(
+            block_size=vllm_config.cache_config.block_size,
+            lookup=lookup,
+            loads=transfer.is_kv_consumer,
+            saves=transfer.is_kv_producer and layouts is not None,
+        )
+        log.info(
+            "pegaflow: scheduler connector for %s (lookup %.0f ms, load %.0f ms: "
+            "a step stalls at most %.0f ms)",
+            self._cfg.server_addr,
+            self._cfg.lookup_timeout_s * 1e3,
+            self._cfg.load_timeout_s * 1e3,
+            self._cfg.worst_step_stall_s * 1e3,
+        )
+
+    def _init_worker(self, vllm_config: Any, kv_cache_config: Any, layouts: list | None) -> None:
+        from pegaflow.connector.namespace import layout_for_rank
+        from pegaflow.connector.worker import WorkerConnector
+
+        layout = None
+        if layouts is not None:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            layout = layout_for_rank(layouts, get_tensor_model_parallel_rank())
+        group = kv_cache_config.kv_cache_groups[0] if kv_cache_config.kv_cache_groups else None
+        self._worker = WorkerConnector(
+            self._cfg,
+            layout,
+            num_blocks=kv_cache_config.num_blocks,
+            layer_names=list(group.layer_names) if group is not None else [],
+            instance_name=_instance_name(self._kv_transfer_config, "worker"),
+        )
+
+    # vLLM asks: must a preempted request with a pending hand-off be recomputed? A cache
+    # never hands off KV another engine waits for: a dropped save is a future miss.
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
+
+    # ============================================================ scheduler
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_meta(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request), None
+
+    # =============================================================== worker
+    def register_kv_caches(self, kv_caches: dict[str, Any]):
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata):
+        if self._worker is not None and isinstance(kv_connector_metadata, PegaConnectorMetadata):
+            self._worker.handle_preemptions(kv_connector_metadata.preempted_req_ids)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PegaConnectorMetadata)
+        self._worker.start_load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        assert self._worker is not None
+        self._worker.wait_for_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        # Whole blocks (all layers) are saved after the forward, in wait_for_save.
+        return
+
+    def wait_for_save(self):
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PegaConnectorMetadata)
+        self._worker.finish_step(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        delayed: list[str] = []
+        if self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            if isinstance(meta, PegaConnectorMetadata):
+                delayed = meta.delayed_free_req_ids
+        done = self._worker.finished_sending(delayed)
+        return (done or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.take_load_errors()
+
+    def shutdown(self):
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._link is not None:
+            self._link.close()
+
+    def reset_cache(self) -> bool | None:
+        # The cache is shared with other engines: one engine's reset must not clear it.
+        return False
+
+
+def _instance_name(transfer: Any, role: str) -> str:
+    return f"vllm-{transfer.engine_id or 'engine'}-{role}-{os.getpid()}"

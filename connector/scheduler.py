@@ -1,0 +1,266 @@
+"""Scheduler-side bookkeeping of PegaKVConnector (runs in vLLM's EngineCore process).
+
+Per request it decides which of its blocks come from pegaflow (a prefix lookup when the
+request is admitted), which freshly computed full blocks go to pegaflow (each block
+once, in the step that completes it), and whether its blocks must outlive it until the
+workers' saves are done. It never touches KV bytes and never blocks longer than one
+lookup deadline; the lookup itself is injected (`PrefixLookup`), the server-backed one
+is `ServerPrefixLookup`.
+
+Loads are synchronous in vLLM's terms (the step that admits the request loads its hit
+before its layers read it) but layer-pipelined in the worker. Block ids are KV cache
+group 0's: the connector only runs on single-group engines (see namespace.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pegaflow.connector.metadata import BlockTransfer, PegaConnectorMetadata
+
+log = logging.getLogger("vllm.pegaflow.connector.scheduler")
+
+# Number of leading hashes present in the store, or None when the store cannot say now.
+PrefixLookup = Callable[[Sequence[bytes]], "int | None"]
+
+
+@dataclasses.dataclass
+class _Lookup:
+    """What the last lookup for a request saw, consumed when vLLM allocates its blocks."""
+
+    local_blocks: int  # leading blocks vLLM's own prefix cache already holds
+    stored_blocks: int | None  # leading blocks in pegaflow, None when unknown
+
+
+@dataclasses.dataclass
+class _RequestState:
+    request: Any  # vLLM Request: its block_hashes grow as tokens are generated
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+    next_save_block: int = 0  # blocks before this are stored, being saved, or not ours to save
+    computed_before_step: int = 0
+    expected_computed: int | None = None  # what this step leaves computed if nothing is rolled back
+    pending_load: BlockTransfer | None = None
+    pending_failed_ids: list[int] = dataclasses.field(default_factory=list)
+    had_saves: bool = False
+
+
+class SchedulerConnector:
+    def __init__(self, *, block_size: int, lookup: PrefixLookup | None, loads: bool, saves: bool):
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self._lookup = lookup
+        self._loads = loads and lookup is not None
+        self._saves = saves
+        self._lookups: dict[str, _Lookup] = {}
+        self._reqs: dict[str, _RequestState] = {}
+        self._delayed_free: list[str] = []
+        # counters for logs and tests
+        self.lookups = 0
+        self.hit_blocks = 0
+        self.saved_blocks = 0
+
+    # ----------------------------------------------------------- admission
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens beyond vLLM's local hit that pegaflow holds. Side-effect free towards vLLM
+        (it may ask again for the same request); only remembers what it saw for
+        update_state_after_alloc."""
+        bs = self.block_size
+        local_blocks = num_computed_tokens // bs
+        if not self._loads:
+            self._lookups[request.request_id] = _Lookup(local_blocks, None)
+            return 0, False
+        hashes = request.block_hashes
+        # the last token is always computed: it produces the next token's logits
+        usable_blocks = min(len(hashes), max(request.num_tokens - 1, 0) // bs)
+        if usable_blocks <= local_blocks:
+            self._lookups[request.request_id] = _Lookup(local_blocks, None)
+            return 0, False
+        self.lookups += 1
+        t0 = time.monotonic()
+        # ask for every full block: knowing the whole stored prefix also spares saving
+        # blocks that are there already
+        stored = self._lookup(hashes)
+        log.debug(
+            "pegaflow: lookup of %d blocks for %s: %s stored (%.1f ms)",
+            len(hashes),
+            request.request_id,
+            stored,
+            (time.monotonic() - t0) * 1e3,
+        )
+        self._lookups[request.request_id] = _Lookup(local_blocks, stored)
+        if stored is None:
+            return 0, False
+        loadable = min(stored, usable_blocks)
+        if loadable <= local_blocks:
+            return 0, False
+        return (loadable - local_blocks) * bs, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        rid = request.request_id
+        state = self._reqs.get(rid)
+        if state is None:
+            state = self._reqs[rid] = _RequestState(request)
+        state.request = request
+        seen = self._lookups.pop(rid, None)
+        local_blocks = seen.local_blocks if seen is not None else 0
+        # Saves start at the first block not known to be stored. Local hits with no lookup
+        # behind them are assumed stored: they were saved when first computed.
+        if seen is not None and seen.stored_blocks is not None:
+            state.next_save_block = seen.stored_blocks
+        else:
+            state.next_save_block = local_blocks
+        state.expected_computed = None
+        if num_external_tokens <= 0:
+            return
+        block_ids = blocks.get_block_ids()[0]
+        n_load = -(-num_external_tokens // self.block_size)
+        first, last = local_blocks, local_blocks + n_load
+        stored = seen.stored_blocks if seen is not None else None
+        if stored is None or last > stored or last > len(block_ids) or last > len(request.block_hashes):
+            # vLLM counts on tokens we never offered; the worker reports these blocks failed
+            # so vLLM recomputes them instead of reading garbage.
+            log.error(
+                "pegaflow: request %s: %d external tokens without a matching lookup; recomputing",
+                rid,
+                num_external_tokens,
+            )
+            state.pending_failed_ids = list(block_ids[first : min(last, len(block_ids))])
+            return
+        state.pending_load = BlockTransfer(
+            rid, list(block_ids[first:last]), [bytes(h) for h in request.block_hashes[first:last]]
+        )
+        self.hit_blocks += n_load
+
+    # ---------------------------------------------------------------- steps
+    def build_meta(self, scheduler_output: Any) -> PegaConnectorMetadata:
+        meta = PegaConnectorMetadata()
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._reqs.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0]) if new.block_ids else []
+            state.computed_before_step = new.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = cached.resumed_req_ids
+        for i, rid in enumerate(cached.req_ids):
+            state = self._reqs.get(rid)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if rid in resumed:
+                state.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                state.block_ids.extend(new_ids[0])
+            state.computed_before_step = cached.num_computed_tokens[i]
+
+        for state in self._reqs.values():
+            if state.pending_load is not None:
+                meta.loads.append(state.pending_load)
+                state.pending_load = None
+            if state.pending_failed_ids:
+                meta.failed_loads[state.request.request_id] = state.pending_failed_ids
+                state.pending_failed_ids = []
+
+        if self._saves:
+            for rid, n_scheduled in scheduler_output.num_scheduled_tokens.items():
+                state = self._reqs.get(rid)
+                if state is not None:
+                    self._plan_saves(state, n_scheduled, meta)
+
+        meta.preempted_req_ids = sorted(scheduler_output.preempted_req_ids or ())
+        meta.delayed_free_req_ids, self._delayed_free = self._delayed_free, []
+        return meta
+
+    def _plan_saves(self, state: _RequestState, n_scheduled: int, meta: PegaConnectorMetadata) -> None:
+        bs = self.block_size
+        before = state.computed_before_step
+        if state.expected_computed is not None and before < state.expected_computed:
+            # a failed load rolled the request back: blocks from there on are recomputed
+            # (and may be missing from the store), so they are saved again
+            state.next_save_block = min(state.next_save_block, before // bs)
+        after = before + n_scheduled
+        state.expected_computed = after
+        hashes = state.request.block_hashes
+        full = min(after // bs, len(hashes), len(state.block_ids))
+        if full <= state.next_save_block:
+            return
+        first = state.next_save_block
+        meta.saves.append(
+            BlockTransfer(
+                state.request.request_id,
+                list(state.block_ids[first:full]),
+                [bytes(h) for h in hashes[first:full]],
+            )
+        )
+        state.next_save_block = full
+        state.had_saves = True
+        self.saved_blocks += full - first
+
+    # ---------------------------------------------------------- completion
+    def request_finished(self, request: Any) -> bool:
+        """True when the request's blocks must stay until the workers' saves are done."""
+        rid = request.request_id
+        self._lookups.pop(rid, None)
+        state = self._reqs.pop(rid, None)
+        delay = state is not None and state.had_saves
+        if delay:
+            self._delayed_free.append(rid)
+        return delay
+
+    @property
+    def num_tracked_requests(self) -> int:
+        return len(self._reqs)
+
+
+class ServerPrefixLookup:
+    """PrefixLookup over pegaflow-server: the minimum over this engine's rank namespaces of
+    the leading sealed hits (a block is usable only if every rank can load its shard)."""
+
+    def __init__(self, link: Any, timeout_s: float):
+        self._link = link
+        self._timeout_s = timeout_s
+
+    def __call__(self, hashes: Sequence[bytes]) -> int | None:
+        from pegaflow.client import errors
+
+        usable = self._link.usable()
+        if usable is None:
+            return None
+        client, instances = usable
+        # one deadline for the whole lookup, however many ranks and batches it takes
+        deadline = time.monotonic() + self._timeout_s
+        n = len(hashes)
+        for inst in instances:
+            try:
+                n = min(n, self._leading_hits(client, inst, hashes[:n], deadline))
+            except errors.ServerUnavailable as exc:
+                self._link.report_failure(exc, "prefix lookup")
+                return None
+            except errors.PegaflowError as exc:
+                log.warning("pegaflow: prefix lookup rejected: %s", exc)
+                return None
+            if n == 0:
+                break
+        return n
+
+    @staticmethod
+    def _leading_hits(client: Any, inst: Any, hashes: Sequence[bytes], deadline: float) -> int:
+        from pegaflow.client import errors
+        from pegaflow.connector.server_link import batches
+
+        total = 0
+        for chunk in batches(hashes, client):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise errors.DeadlineExceeded("prefix lookup: deadline passed")
+            hit = client.query_prefix(inst, chunk, lease=False, timeout_s=remaining)
+            got = min(int(hit.num_hits), len(chunk))
+            total += got
+            if got < len(chunk):
+                break
+        return total

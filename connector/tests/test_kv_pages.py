@@ -1,0 +1,125 @@
+"""Whole-page copies between vLLM-shaped KV tensors and a byte pool."""
+
+import numpy as np
+import pytest
+import torch
+
+from pegaflow.connector.kv_pages import KvPages, LayoutMismatch, Run, plan_runs
+
+NUM_BLOCKS, HEADS, TOKENS, WIDTH, LAYERS = 16, 2, 8, 16, 3
+
+
+def cpu_attn_caches(seed: int | None) -> dict[str, torch.Tensor]:
+    """Layers as views into one int8 backing buffer, layer-major, like vLLM's CPU backend."""
+    page = HEADS * TOKENS * WIDTH * 2  # bf16
+    backing = torch.zeros(LAYERS * NUM_BLOCKS * page, dtype=torch.int8)
+    caches = {}
+    for i in range(LAYERS):
+        chunk = backing[i * NUM_BLOCKS * page : (i + 1) * NUM_BLOCKS * page]
+        caches[f"model.layers.{i}.self_attn.attn"] = chunk.view(torch.bfloat16).view(
+            NUM_BLOCKS, HEADS, TOKENS, WIDTH
+        )
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        for t in caches.values():
+            t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float32).to(torch.bfloat16))
+    return caches
+
+
+def pages_of(caches):
+    return KvPages(caches, NUM_BLOCKS, list(caches))
+
+
+def test_plan_runs_merges_only_where_both_sides_are_consecutive():
+    bb = 100
+    runs = plan_runs([4, 5, 6, 9, 10, 2], [0, 100, 200, 300, 500, 600], bb)
+    assert runs == [Run(4, 0, 3), Run(9, 300, 1), Run(10, 500, 1), Run(2, 600, 1)]
+    assert plan_runs([], [], bb) == []
+    with pytest.raises(ValueError):
+        plan_runs([1, 2], [0], bb)
+
+
+def test_geometry():
+    p = pages_of(cpu_attn_caches(None))
+    assert p.page_bytes == HEADS * TOKENS * WIDTH * 2
+    assert p.num_layers == LAYERS
+    assert p.block_bytes == LAYERS * p.page_bytes
+
+
+def test_save_then_load_round_trips_whole_pages_at_scattered_offsets():
+    src = pages_of(cpu_attn_caches(seed=1))
+    bb = src.block_bytes
+    pool_np = np.zeros(20 * bb, dtype=np.uint8)
+    pool = torch.from_numpy(pool_np)
+    blocks = [3, 4, 5, 11, 0]
+    slots = [7, 8, 9, 2, 15]  # pool slots, in block units
+    runs = plan_runs(blocks, [s * bb for s in slots], bb)
+    assert len(runs) == 3
+    assert src.save_blocks(pool, runs) == len(blocks) * bb
+    for b, s in zip(blocks, slots, strict=True):
+        assert pool_np[s * bb : (s + 1) * bb].tobytes() == src.block_bytes_of(b)
+    untouched = set(range(20)) - set(slots)
+    assert all(not pool_np[s * bb : (s + 1) * bb].any() for s in untouched)
+
+    dst_caches = cpu_attn_caches(seed=None)
+    dst = pages_of(dst_caches)
+    targets = [1, 2, 3, 12, 13]  # other block ids on the loading side
+    load_runs = plan_runs(targets, [s * bb for s in slots], bb)
+    for layer in range(LAYERS):
+        dst.load_layer(pool, load_runs, layer)
+    for b_src, b_dst in zip(blocks, targets, strict=True):
+        assert dst.block_bytes_of(b_dst) == src.block_bytes_of(b_src)
+        for name in dst_caches:
+            assert torch.equal(dst_caches[name][b_dst], cpu_attn_caches(seed=1)[name][b_src])
+    others = set(range(NUM_BLOCKS)) - set(targets)
+    assert all(not any(dst.block_bytes_of(b)) for b in others)
+
+
+def test_layer_by_layer_load_touches_only_that_layer():
+    src = pages_of(cpu_attn_caches(seed=2))
+    bb = src.block_bytes
+    pool = torch.zeros(4 * bb, dtype=torch.uint8)
+    src.save_blocks(pool, [Run(5, 0, 2)])
+    dst_caches = cpu_attn_caches(seed=None)
+    dst = pages_of(dst_caches)
+    dst.load_layer(pool, [Run(7, 0, 2)], 1)
+    names = list(dst_caches)
+    assert torch.equal(dst_caches[names[1]][7:9], cpu_attn_caches(seed=2)[names[1]][5:7])
+    assert not dst_caches[names[0]].any() and not dst_caches[names[2]].any()
+
+
+def test_locations_outside_the_pool_or_cache_are_refused():
+    p = pages_of(cpu_attn_caches(seed=3))
+    bb = p.block_bytes
+    pool = torch.zeros(2 * bb, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="outside the pool"):
+        p.save_blocks(pool, [Run(0, bb, 2)])
+    with pytest.raises(ValueError, match="outside"):
+        p.load_layer(pool, [Run(NUM_BLOCKS - 1, 0, 2)], 0)
+    assert not pool.any()
+
+
+def test_layouts_the_copier_cannot_handle_are_refused():
+    caches = cpu_attn_caches(seed=None)
+    name = next(iter(caches))
+    bad = dict(caches)
+    bad[name] = caches[name].transpose(1, 2)
+    with pytest.raises(LayoutMismatch, match="contiguous"):
+        KvPages(bad, NUM_BLOCKS, list(bad))
+    bad[name] = torch.zeros(NUM_BLOCKS, HEADS, TOKENS, WIDTH // 2, dtype=torch.bfloat16)
+    with pytest.raises(LayoutMismatch, match="page of"):
+        KvPages(bad, NUM_BLOCKS, list(bad))
+    with pytest.raises(LayoutMismatch, match="split"):
+        KvPages(caches, NUM_BLOCKS + 1, list(caches))
+    with pytest.raises(LayoutMismatch, match="missing"):
+        KvPages(caches, NUM_BLOCKS, [*caches, "model.layers.9.self_attn.attn"])
+
+
+def test_mla_shaped_pages():
+    # CPU MLA: [num_blocks, 1, 16, 576] bf16 per layer
+    caches = {f"l{i}": torch.randn(6, 1, 16, 576).to(torch.bfloat16) for i in range(2)}
+    p = KvPages(caches, 6, list(caches))
+    assert p.page_bytes == 16 * 576 * 2
+    pool = torch.zeros(3 * p.block_bytes, dtype=torch.uint8)
+    p.save_blocks(pool, [Run(4, p.block_bytes, 2)])
+    assert pool[p.block_bytes : 2 * p.block_bytes].numpy().tobytes() == p.block_bytes_of(4)

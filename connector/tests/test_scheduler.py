@@ -1,0 +1,257 @@
+"""Scheduler-side bookkeeping, driven with vLLM's own Request / SchedulerOutput objects.
+
+The prefix lookup is a set of stored hashes here; the server-backed lookup is covered by
+the tests that run pegaflow-server.
+"""
+
+import pytest
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.request import Request
+
+from pegaflow.connector.scheduler import SchedulerConnector
+
+BS = 128
+init_none_hash(sha256)
+HASHER = get_request_block_hasher(BS, sha256)
+
+
+class Store:
+    """Stored hashes; counts lookups."""
+
+    def __init__(self, hashes=(), available=True):
+        self.hashes = set(hashes)
+        self.available = available
+        self.calls = 0
+
+    def __call__(self, hashes):
+        self.calls += 1
+        if not self.available:
+            return None
+        n = 0
+        for h in hashes:
+            if h not in self.hashes:
+                break
+            n += 1
+        return n
+
+
+def request(rid: str, n_tokens: int, seed: int = 0) -> Request:
+    tokens = [(seed * 7919 + i * 31) % 4000 + 3 for i in range(n_tokens)]
+    return Request(rid, tokens, SamplingParams(max_tokens=16), None, block_hasher=HASHER)
+
+
+def blocks(ids) -> KVCacheBlocks:
+    return KVCacheBlocks((tuple(KVCacheBlock(block_id=i) for i in ids),))
+
+
+def step(new=(), cached=(), scheduled=None, preempted=(), resumed=()):
+    """new: [(request, block_ids, num_computed)], cached: [(rid, new_block_ids|None, num_computed)]."""
+    out = SchedulerOutput.make_empty()
+    out.scheduled_new_reqs = [
+        NewRequestData(
+            req_id=r.request_id,
+            prompt_token_ids=r.prompt_token_ids,
+            mm_features=[],
+            sampling_params=r.sampling_params,
+            pooling_params=None,
+            block_ids=(list(ids),),
+            num_computed_tokens=nc,
+            lora_request=None,
+        )
+        for r, ids, nc in new
+    ]
+    out.scheduled_cached_reqs = CachedRequestData(
+        req_ids=[c[0] for c in cached],
+        resumed_req_ids=set(resumed),
+        new_token_ids=[[] for _ in cached],
+        all_token_ids={},
+        new_block_ids=[(list(c[1]),) if c[1] is not None else None for c in cached],
+        num_computed_tokens=[c[2] for c in cached],
+        num_output_tokens=[0 for _ in cached],
+    )
+    out.num_scheduled_tokens = dict(scheduled or {})
+    out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+    out.preempted_req_ids = set(preempted)
+    return out
+
+
+def admit(conn, req, block_ids, num_computed=0):
+    """What vLLM does when it admits a request: lookup, allocate, tell the connector."""
+    ext, is_async = conn.get_num_new_matched_tokens(req, num_computed)
+    assert is_async is False
+    conn.update_state_after_alloc(req, blocks(block_ids), ext)
+    return ext
+
+
+def test_cold_request_saves_each_full_prompt_block_once():
+    store = Store()
+    conn = SchedulerConnector(block_size=BS, lookup=store, loads=True, saves=True)
+    req = request("a", 1000)
+    assert len(req.block_hashes) == 7
+    assert admit(conn, req, range(10, 18)) == 0
+    meta = conn.build_meta(step(new=[(req, range(10, 18), 0)], scheduled={"a": 1000}))
+    assert meta.loads == [] and not meta.failed_loads
+    (save,) = meta.saves
+    assert save.req_id == "a"
+    assert save.block_ids == list(range(10, 17))
+    assert save.block_hashes == [bytes(h) for h in req.block_hashes]
+    # decode steps: nothing new until block 8 fills (token 1024)
+    req.num_computed_tokens = 1000
+    for i in range(23):
+        req.append_output_token_ids(5)
+        meta = conn.build_meta(step(cached=[("a", None, 1000 + i)], scheduled={"a": 1}))
+        assert meta.saves == []
+    req.append_output_token_ids(5)  # the 1024th token: its block gets a hash
+    meta = conn.build_meta(step(cached=[("a", None, 1023)], scheduled={"a": 1}))
+    (save,) = meta.saves
+    assert save.block_ids == [17] and save.block_hashes == [bytes(req.block_hashes[7])]
+
+
+def test_hit_loads_the_stored_blocks_beyond_the_local_prefix():
+    first = request("x", 1000)
+    store = Store(first.block_hashes)
+    conn = SchedulerConnector(block_size=BS, lookup=store, loads=True, saves=True)
+    req = request("b", 1000)  # same tokens, same hashes
+    assert conn.get_num_new_matched_tokens(req, 0) == (896, False)
+    assert conn.get_num_new_matched_tokens(req, 0) == (896, False)  # asking again changes nothing
+    conn.update_state_after_alloc(req, blocks(range(20, 28)), 896)
+    meta = conn.build_meta(step(new=[(req, range(20, 28), 896)], scheduled={"b": 104}))
+    (load,) = meta.loads
+    assert load.block_ids == list(range(20, 27))
+    assert load.block_hashes == [bytes(h) for h in req.block_hashes]
+    assert meta.saves == []  # all 7 full blocks are already stored
+    assert conn.build_meta(step(cached=[("b", None, 1000)], scheduled={"b": 1})).loads == []
+
+
+def test_local_prefix_hit_loads_only_the_rest_and_never_the_last_token():
+    req = request("c", 1024)  # exactly 8 blocks
+    store = Store(req.block_hashes)
+    conn = SchedulerConnector(block_size=BS, lookup=store, loads=True, saves=True)
+    # vLLM's own cache holds 2 blocks; the store all 8, but the last token must be computed
+    assert admit(conn, req, range(8), num_computed=256) == 5 * BS
+    meta = conn.build_meta(step(new=[(req, range(8), 896)], scheduled={"c": 128}))
+    (load,) = meta.loads
+    assert load.block_ids == [2, 3, 4, 5, 6]
+    assert load.block_hashes == [bytes(h) for h in req.block_hashes[2:7]]
+    assert meta.saves == []  # block 7 (computed now) is stored already
+
+
+def test_no_lookup_when_the_local_cache_covers_everything():
+    req = request("d", 1000)
+    store = Store(req.block_hashes)
+    conn = SchedulerConnector(block_size=BS, lookup=store, loads=True, saves=True)
+    assert admit(conn, req, range(8), num_computed=896) == 0
+    assert store.calls == 0
+    meta = conn.build_meta(step(new=[(req, range(8), 896)], scheduled={"d": 104}))
+    assert meta.loads == [] and meta.saves == []
+
+
+def test_local_hits_missing_from_the_store_are_saved():
+    req = request("e", 1000)
+    store = Store(req.block_hashes[:2])  # e.g. the server restarted and lost the rest
+    conn = SchedulerConnector(block_size=BS, lookup=store, loads=True, saves=True)
+    assert admit(conn, req, range(8), num_computed=512) == 0
+    meta = conn.build_meta(step(new=[(req, range(8), 512)], scheduled={"e": 488}))
+    (save,) = meta.saves
+    assert save.block_ids == [2, 3, 4, 5, 6]
+
+
+def test_unavailable_store_means_no_hits_and_no_assumptions():
+    req = request("f", 1000)
+    store = Store(req.block_hashes, available=False)
+    conn = SchedulerConnector(block_size=BS, lookup=store, loads=True, saves=True)
+    assert admit(conn, req, range(8)) == 0
+    meta = conn.build_meta(step(new=[(req, range(8), 0)], scheduled={"f": 1000}))
+    assert meta.loads == []
+    assert [s.block_ids for s in meta.saves] == [list(range(7))]
+
+
+def test_chunked_prefill_saves_each_chunk_as_its_blocks_fill():
+    req = request("g", 1000)
+    conn = SchedulerConnector(block_size=BS, lookup=Store(), loads=True, saves=True)
+    admit(conn, req, range(30, 38))
+    m1 = conn.build_meta(step(new=[(req, range(30, 34), 0)], scheduled={"g": 500}))
+    assert [s.block_ids for s in m1.saves] == [[30, 31, 32]]
+    m2 = conn.build_meta(step(cached=[("g", [34, 35, 36, 37], 500)], scheduled={"g": 500}))
+    assert [s.block_ids for s in m2.saves] == [[33, 34, 35, 36]]
+
+
+def test_finished_requests_keep_their_blocks_only_if_they_saved():
+    conn = SchedulerConnector(block_size=BS, lookup=Store(), loads=True, saves=True)
+    long, short = request("h", 300), request("i", 50)
+    admit(conn, long, range(3))
+    admit(conn, short, [9])
+    conn.build_meta(step(new=[(long, range(3), 0), (short, [9], 0)], scheduled={"h": 300, "i": 50}))
+    assert conn.request_finished(long) is True
+    assert conn.request_finished(short) is False
+    meta = conn.build_meta(step())
+    assert meta.delayed_free_req_ids == ["h"]
+    assert conn.build_meta(step()).delayed_free_req_ids == []
+    assert conn.num_tracked_requests == 0
+    # a request that never got blocks
+    assert conn.request_finished(request("never", 400)) is False
+
+
+def test_failed_load_rolls_back_and_saves_again_after_the_recompute():
+    req = request("j", 1000)
+    store = Store(req.block_hashes[:3])
+    conn = SchedulerConnector(block_size=BS, lookup=store, loads=True, saves=True)
+    assert admit(conn, req, range(8)) == 3 * BS
+    m1 = conn.build_meta(step(new=[(req, range(8), 384)], scheduled={"j": 616}))
+    assert [t.block_ids for t in m1.loads] == [[0, 1, 2]]
+    assert [s.block_ids for s in m1.saves] == [[3, 4, 5, 6]]
+    # the worker reported block 1 failed: vLLM truncated the request to block 1 and
+    # recomputes from there; blocks 1.. are saved again once recomputed
+    m2 = conn.build_meta(step(cached=[("j", None, 128)], scheduled={"j": 872}))
+    assert [s.block_ids for s in m2.saves] == [[1, 2, 3, 4, 5, 6]]
+
+
+def test_preempted_and_resumed_requests():
+    req = request("k", 600)
+    conn = SchedulerConnector(block_size=BS, lookup=Store(), loads=True, saves=True)
+    admit(conn, req, range(5))
+    conn.build_meta(step(new=[(req, range(5), 0)], scheduled={"k": 600}))
+    meta = conn.build_meta(step(preempted={"k"}))
+    assert meta.preempted_req_ids == ["k"]
+    # resumed: a new lookup (its saved blocks are stored now), new block ids
+    store = Store(req.block_hashes)
+    conn._lookup = store
+    req.num_computed_tokens = 0
+    assert admit(conn, req, [40, 41, 42, 43, 44]) == 4 * BS
+    meta = conn.build_meta(
+        step(cached=[("k", [40, 41, 42, 43, 44], 512)], resumed={"k"}, scheduled={"k": 88})
+    )
+    assert [t.block_ids for t in meta.loads] == [[40, 41, 42, 43]]
+    assert meta.saves == []
+
+
+def test_roles():
+    req = request("l", 1000)
+    store = Store(req.block_hashes)
+    producer = SchedulerConnector(block_size=BS, lookup=store, loads=False, saves=True)
+    assert admit(producer, req, range(8)) == 0 and store.calls == 0
+    assert producer.build_meta(step(new=[(req, range(8), 0)], scheduled={"l": 1000})).saves
+    consumer = SchedulerConnector(block_size=BS, lookup=store, loads=True, saves=False)
+    req2 = request("m", 1000)
+    assert admit(consumer, req2, range(8)) == 896
+    meta = consumer.build_meta(step(new=[(req2, range(8), 896)], scheduled={"m": 104}))
+    assert meta.loads and not meta.saves
+    assert consumer.request_finished(req2) is False
+
+
+def test_external_tokens_without_a_lookup_are_reported_failed():
+    conn = SchedulerConnector(block_size=BS, lookup=Store(), loads=True, saves=True)
+    req = request("n", 1000)
+    conn.update_state_after_alloc(req, blocks(range(8)), 256)  # no lookup promised these
+    meta = conn.build_meta(step(new=[(req, range(8), 256)], scheduled={"n": 744}))
+    assert meta.loads == []
+    assert meta.failed_loads == {"n": [0, 1]}
+
+
+def test_block_size_must_be_positive():
+    with pytest.raises(ValueError):
+        SchedulerConnector(block_size=0, lookup=None, loads=True, saves=True)

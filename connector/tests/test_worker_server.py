@@ -1,0 +1,295 @@
+"""The connector's worker and scheduler halves against a real pegaflow-server process:
+bytes saved by one engine load back byte-identical into another, namespaces isolate,
+and a down, dying, restarted or stopped server costs cache hits, never correctness
+and never more than the documented stall."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from pegaflow.connector.metadata import BlockTransfer, PegaConnectorMetadata
+from pegaflow.connector.namespace import is_writer
+from pegaflow.connector.scheduler import ServerPrefixLookup
+from pegaflow.connector.server_link import ServerLink
+from pegaflow.connector.tests.support import (
+    LAYER_NAMES,
+    block_bytes,
+    config,
+    hashes,
+    kv_caches,
+    layout,
+    load_meta,
+    save_and_wait,
+    step,
+    wait_for,
+    worker,
+)
+from pegaflow.server.testing import ServerProcess, free_port
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture
+def server(tmp_path):
+    with ServerProcess(tmp_path / "server", pool_size="64mb") as srv:
+        yield srv
+
+
+def lookup_for(cfg, lay):
+    link = ServerLink(
+        cfg.server_addr,
+        [lay],
+        client_name="test-sched",
+        instance_name="test-sched",
+        rpc_timeout_s=cfg.rpc_timeout_s,
+        retry_interval_s=cfg.retry_interval_s,
+    )
+    link.start()
+    return link, ServerPrefixLookup(link, cfg.lookup_timeout_s)
+
+
+def attached(*workers_or_links):
+    def ready():
+        return all((x.link if hasattr(x, "link") else x).usable() is not None for x in workers_or_links)
+
+    wait_for(ready)
+
+
+def test_saved_blocks_load_back_byte_identical_into_other_blocks(server):
+    cfg = config(server.addr)
+    src_caches, dst_caches = kv_caches(seed=1), kv_caches(seed=None)
+    a = worker(cfg, layout(), src_caches, "a")
+    b = worker(cfg, layout(), dst_caches, "b")
+    link, lookup = lookup_for(cfg, layout())
+    try:
+        attached(a, b, link)
+        hs = hashes("prompt-1", 6)
+        save_and_wait(a, "r1", [3, 4, 5, 9, 10, 11], hs)
+        assert a.stats["saved_blocks"] == 6
+        assert lookup(hs) == 6
+        assert lookup(hs[:2] + hashes("other", 1) + hs[3:]) == 2  # leading hits only
+        targets = [20, 21, 22, 1, 2, 30]
+        done, failed = step(b, load_meta("r2", targets, hs))
+        assert failed == set()
+        for s, d in zip([3, 4, 5, 9, 10, 11], targets, strict=True):
+            assert block_bytes(dst_caches, d) == block_bytes(src_caches, s)
+        untouched = set(range(32)) - set(targets)
+        assert all(not any(block_bytes(dst_caches, i)) for i in untouched)
+        # saving the same blocks again writes nothing (deduplicated by the server)
+        save_and_wait(a, "r3", [3, 4], hs[:2])
+        assert a.stats["saved_blocks"] == 6
+        assert a.stats["save_blocks_deduplicated"] == 2
+    finally:
+        a.shutdown(), b.shutdown(), link.close()
+
+
+def test_a_partial_hit_reports_exactly_the_missing_blocks(server):
+    cfg = config(server.addr)
+    src_caches, dst_caches = kv_caches(seed=2), kv_caches(seed=None)
+    a = worker(cfg, layout(), src_caches, "a")
+    b = worker(cfg, layout(), dst_caches, "b")
+    try:
+        attached(a, b)
+        hs = hashes("prompt-2", 5)
+        save_and_wait(a, "r1", [0, 1, 2], hs[:3])
+        _, failed = step(b, load_meta("r2", [10, 11, 12, 13, 14], hs))
+        assert failed == {13, 14}
+        for s, d in zip([0, 1, 2], [10, 11, 12], strict=True):
+            assert block_bytes(dst_caches, d) == block_bytes(src_caches, s)
+        # a request whose load failed saves nothing from that step: its new blocks were
+        # computed over missing KV
+        meta = PegaConnectorMetadata(
+            loads=[BlockTransfer("r3", [15, 16], hashes("never-stored", 2))],
+            saves=[BlockTransfer("r3", [17], hashes("computed-over-garbage", 1))],
+        )
+        _, failed = step(b, meta)
+        assert failed == {15, 16}
+        assert b.stats["save_blocks_skipped_failed_load"] == 1
+    finally:
+        a.shutdown(), b.shutdown()
+
+
+def test_namespaces_isolate_models_and_mla_ranks_share_one_copy(server):
+    cfg = config(server.addr)
+    caches = kv_caches(seed=3)
+    hs = hashes("shared-prompt", 4)
+    model_a = worker(cfg, layout("model-a"), caches, "a")
+    link_b, lookup_b = lookup_for(cfg, layout("model-b"))
+    link_a1, lookup_a_rank1 = lookup_for(cfg, layout("model-a", tp_size=2, tp_rank=1))
+    mla0_caches, mla1_caches = kv_caches(seed=4), kv_caches(seed=5)
+    mla0 = worker(cfg, layout("mla", mla=True, tp_size=2, tp_rank=0), mla0_caches, "mla0")
+    mla1 = worker(cfg, layout("mla", mla=True, tp_size=2, tp_rank=1), mla1_caches, "mla1")
+    link_mla, lookup_mla = lookup_for(cfg, layout("mla", mla=True, tp_size=2, tp_rank=0))
+    try:
+        attached(model_a, mla0, mla1, link_b, link_a1, link_mla)
+        save_and_wait(model_a, "r1", [0, 1, 2, 3], hs)
+        assert lookup_b(hs) == 0  # another model never sees these blocks
+        assert lookup_a_rank1(hs) == 0  # nor does another TP layout of the same model
+        # MLA: only rank 0 writes; rank 1 still reports its requests done
+        assert is_writer(mla0.layout) and not is_writer(mla1.layout)
+        mla_hashes = hashes("mla-prompt", 3)
+        save_and_wait(mla1, "m1", [5, 6, 7], mla_hashes)
+        assert mla1.stats["saved_blocks"] == 0 and lookup_mla(mla_hashes) == 0
+        save_and_wait(mla0, "m1", [5, 6, 7], mla_hashes)
+        assert lookup_mla(mla_hashes) == 3
+        # ... and rank 1 loads rank 0's copy
+        _, failed = step(mla1, load_meta("m2", [10, 11, 12], mla_hashes))
+        assert failed == set()
+        for s, d in zip([5, 6, 7], [10, 11, 12], strict=True):
+            assert block_bytes(mla1_caches, d) == block_bytes(mla0_caches, s)
+    finally:
+        for x in (model_a, mla0, mla1):
+            x.shutdown()
+        for x in (link_b, link_a1, link_mla):
+            x.close()
+
+
+def test_server_down_at_start_then_up_later(tmp_path):
+    addr = f"127.0.0.1:{free_port()}"
+    cfg = config(addr)
+    caches = kv_caches(seed=6)
+    a = worker(cfg, layout(), caches, "a")
+    link, lookup = lookup_for(cfg, layout())
+    srv = ServerProcess(tmp_path / "server", pool_size="64mb", addr=addr)
+    try:
+        # no server: no hits, loads fail fast into recompute, saves are skipped, requests finish
+        assert lookup(hashes("p", 2)) is None
+        t0 = time.monotonic()
+        _, failed = step(a, load_meta("r0", [1, 2], hashes("p", 2)))
+        assert failed == {1, 2}
+        save_and_wait(a, "r1", [1, 2], hashes("p", 2))
+        assert time.monotonic() - t0 < 10
+        assert a.stats["saved_blocks"] == 0
+        srv.start()
+        attached(a, link)  # both attach on their own
+        save_and_wait(a, "r2", [1, 2], hashes("p", 2))
+        assert lookup(hashes("p", 2)) == 2
+    finally:
+        a.shutdown(), link.close(), srv.stop()
+
+
+def test_server_killed_then_restarted_recovers_without_restarting_the_engine(tmp_path):
+    addr = f"127.0.0.1:{free_port()}"
+    cfg = config(addr)
+    src, dst = kv_caches(seed=7), kv_caches(seed=None)
+    a = worker(cfg, layout(), src, "a")
+    b = worker(cfg, layout(), dst, "b")
+    link, lookup = lookup_for(cfg, layout())
+    srv = ServerProcess(tmp_path / "server", pool_size="64mb", addr=addr)
+    try:
+        srv.start()
+        attached(a, b, link)
+        hs = hashes("before-kill", 3)
+        save_and_wait(a, "r1", [0, 1, 2], hs)
+        assert lookup(hs) == 3
+        srv.kill()
+        # the cache is gone: lookups miss, loads are reported failed (recomputed), saves skip
+        wait_for(lambda: lookup(hs) is None)
+        _, failed = step(b, load_meta("r2", [5, 6, 7], hs))
+        assert failed == {5, 6, 7}
+        save_and_wait(a, "r3", [3], hashes("while-down", 1))
+        srv.start()  # a new pool, a new epoch: the old blocks are gone
+        attached(a, b, link)
+        assert lookup(hs) == 0
+        save_and_wait(a, "r4", [0, 1, 2], hs)
+        assert lookup(hs) == 3
+        _, failed = step(b, load_meta("r5", [5, 6, 7], hs))
+        assert failed == set()
+        assert [block_bytes(dst, d) for d in (5, 6, 7)] == [block_bytes(src, s) for s in (0, 1, 2)]
+    finally:
+        a.shutdown(), b.shutdown(), link.close(), srv.stop()
+
+
+def test_a_stopped_server_stalls_one_step_at_most_the_documented_bound(server):
+    # rpc_timeout is far above the bound: if a call on the step's path used it instead of
+    # the lookup/load deadlines, the step would take 30 s and fail the check below
+    cfg = config(server.addr, rpc_timeout_s=30.0, retry_interval_s=0.2)
+    caches = kv_caches(seed=8)
+    a = worker(cfg, layout(), caches, "a")
+    link, lookup = lookup_for(cfg, layout())
+    try:
+        attached(a, link)
+        hs = hashes("stall", 4)
+        save_and_wait(a, "r1", [0, 1, 2, 3], hs)
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            # one engine step: the scheduler's lookup, then the worker's load
+            t0 = time.monotonic()
+            stored = lookup(hs)
+            _, failed = step(a, load_meta("r2", [10, 11, 12, 13], hs))
+            stall = time.monotonic() - t0
+            assert stored is None  # the lookup gave up at its deadline: no hits claimed
+            assert failed == {10, 11, 12, 13} or failed == set()  # a load either lands or is recomputed
+            assert stall < cfg.worst_step_stall_s + 2.0, f"step stalled {stall:.2f} s"
+            # the breaker is open now: the next steps do not wait for the server at all
+            t1 = time.monotonic()
+            for _ in range(20):
+                assert lookup(hs) is None
+                step(a, load_meta("r3", [20, 21], hs[:2]))
+            assert time.monotonic() - t1 < 2.0 + cfg.load_timeout_s
+            # saves never block a step
+            t2 = time.monotonic()
+            step(a, PegaConnectorMetadata(saves=[BlockTransfer("r4", [5], hashes("x", 1))]))
+            assert time.monotonic() - t2 < 2.0
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        attached(a, link)  # the probe closes the breaker once the server answers
+        assert lookup(hs) == 4
+    finally:
+        a.shutdown(), link.close()
+
+
+def test_preemption_cancels_a_save_that_has_not_copied_yet(server):
+    cfg = config(server.addr, rpc_timeout_s=30.0)
+    caches = kv_caches(seed=9)
+    a = worker(cfg, layout(), caches, "a")
+    link, lookup = lookup_for(cfg, layout())
+    try:
+        attached(a, link)
+        hs = hashes("preempted", 2)
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        stopped = True
+        try:
+            step(a, PegaConnectorMetadata(saves=[BlockTransfer("r1", [4, 5], hs)]))
+            # the save thread now waits in allocate; the request is preempted and its
+            # blocks handed to another request this step
+            t0 = time.monotonic()
+            a.handle_preemptions(["r1"])
+            assert time.monotonic() - t0 < 2.0
+            caches[LAYER_NAMES[0]][4].fill_(7)  # the new owner overwrites the block
+            os.kill(server.proc.pid, signal.SIGCONT)
+            stopped = False
+            wait_for(lambda: "r1" in a.finished_sending(["r1"]))
+        finally:
+            if stopped:
+                os.kill(server.proc.pid, signal.SIGCONT)
+        attached(a, link)
+        assert lookup(hs) == 0  # nothing from the reused blocks was stored
+        assert a.stats["save_jobs_preempted"] == 1
+    finally:
+        a.shutdown(), link.close()
+
+
+def test_each_layer_has_landed_when_its_wait_returns(server):
+    cfg = config(server.addr)
+    src, dst = kv_caches(seed=10), kv_caches(seed=None)
+    a = worker(cfg, layout(), src, "a")
+    b = worker(cfg, layout(), dst, "b")
+    try:
+        attached(a, b)
+        hs = hashes("layers", 8)
+        save_and_wait(a, "r1", list(range(8)), hs)
+        meta = load_meta("r2", list(range(16, 24)), hs)
+        b.start_load(meta)
+        for name in LAYER_NAMES:
+            b.wait_for_layer(name)
+            assert all(dst[name][16 + k].equal(src[name][k]) for k in range(8))
+        b.finish_step(meta)
+        assert b.take_load_errors() == set()
+        assert b.stats["loaded_blocks"] == 8
+    finally:
+        a.shutdown(), b.shutdown()

@@ -1,0 +1,462 @@
+"""Worker-side PegaKVConnector (runs in each vLLM worker process, one per TP rank).
+
+Per engine step, driven by vLLM's hooks:
+
+  handle_preemptions  saves still reading a preempted request's blocks finish their
+                      copy or are dropped before this step may overwrite the blocks
+  start_load_kv       the step's loads start on the load thread: one lease RPC per
+                      request, then pool -> vLLM copies layer by layer
+  wait_for_layer_load waits for that layer's copies only, at most until the step's load
+                      deadline; a load that misses it is cancelled (no copy lands after
+                      that) and its blocks are reported failed, so vLLM recomputes them
+  wait_for_save       the step's full blocks go to the save thread (allocate RPC,
+                      vLLM -> pool copies, seal RPC), off the forward pass
+  get_finished        finished requests whose saves are done give their blocks back
+
+The pool is the server's shared memory, mapped by the client; a mapping stays readable
+after the server dies, so leased bytes still load. A location is only used with the
+epoch it was handed out under (StaleEpoch otherwise).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from pegaflow.connector.config import ConnectorConfig
+from pegaflow.connector.kv_pages import KvPages, LayoutMismatch, Run, plan_runs
+from pegaflow.connector.metadata import BlockTransfer, PegaConnectorMetadata
+from pegaflow.connector.namespace import KvLayoutSpec, is_writer
+from pegaflow.connector.server_link import ServerLink, batches
+
+log = logging.getLogger("vllm.pegaflow.connector.worker")
+
+
+def _remaining(deadline: float) -> float:
+    return max(deadline - time.monotonic(), 0.001)
+
+
+class _LoadJob:
+    """One step's loads. The load thread copies layer by layer under `lock`; whoever
+    cancels takes the lock too, so after cancel() returns no byte lands any more."""
+
+    def __init__(self, transfers: list[BlockTransfer], num_layers: int, deadline: float):
+        self.transfers = transfers
+        self.deadline = deadline
+        self.lock = threading.Lock()
+        self.cancelled = False
+        self.layer_done = [threading.Event() for _ in range(num_layers)]
+        self.done = threading.Event()
+        self.layers_landed = 0
+        self.plans: list[tuple[torch.Tensor, list[Run], int]] = []  # (pool, runs, bytes per layer)
+        self.missing_ids: set[int] = set()  # blocks the server no longer had, or whose lease failed
+        self.leases: list[str] = []
+        # timings for the debug log: submitted, leased, landed (monotonic seconds)
+        self.t_submit = time.monotonic()
+        self.t_leased = 0.0
+        self.t_landed = 0.0
+        self.waited_s = 0.0  # how long the forward waited on this job
+
+    def cancel(self) -> None:
+        with self.lock:
+            self.cancelled = True
+        self.finish()
+
+    def finish(self) -> None:
+        for ev in self.layer_done:
+            ev.set()
+        self.done.set()
+
+
+class _SaveJob:
+    """One step's saves (deduplicated by hash). Preemption cancels it under `lock`, which
+    the save thread holds while it copies: a cancelled job never reads the blocks again."""
+
+    def __init__(self, block_ids: list[int], hashes: list[bytes], req_ids: set[str]):
+        self.block_ids = block_ids
+        self.hashes = hashes
+        self.req_ids = req_ids
+        self.lock = threading.Lock()
+        self.cancelled = False
+
+
+class WorkerConnector:
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        layout: KvLayoutSpec | None,
+        *,
+        num_blocks: int,
+        layer_names: list[str],
+        instance_name: str,
+    ):
+        self.cfg = cfg
+        self.layout = layout
+        self.writer = layout is not None and is_writer(layout)
+        self.num_blocks = num_blocks
+        self.layer_names = layer_names
+        self.instance_name = instance_name
+        self.pages: KvPages | None = None
+        self.link: ServerLink | None = None
+        self._load_thread = ThreadPoolExecutor(1, thread_name_prefix="pegaflow-load")
+        self._save_thread = ThreadPoolExecutor(1, thread_name_prefix="pegaflow-save")
+        self._housekeeping = ThreadPoolExecutor(1, thread_name_prefix="pegaflow-release")
+        self._load_job: _LoadJob | None = None
+        self._invalid_ids: set[int] = set()
+        self._save_lock = threading.Lock()
+        self._save_jobs: list[_SaveJob] = []  # queued or running
+        self._pending_saves: collections.Counter[str] = collections.Counter()
+        self._awaiting_free: set[str] = set()
+        self.stats = collections.Counter()
+
+    # ------------------------------------------------------------ start-up
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.layout is None:
+            return
+        try:
+            pages = KvPages(kv_caches, self.num_blocks, self.layer_names)
+        except LayoutMismatch as exc:
+            log.error("pegaflow: KV tensors do not fit the page copier (%s); running without the cache", exc)
+            return
+        if pages.block_bytes != self.layout.block_bytes or pages.num_layers != self.layout.num_layers:
+            log.error(
+                "pegaflow: KV tensors hold %d B per block over %d layers, the namespace says %d B over %d; "
+                "running without the cache",
+                pages.block_bytes,
+                pages.num_layers,
+                self.layout.block_bytes,
+                self.layout.num_layers,
+            )
+            return
+        self.pages = pages
+        self.link = ServerLink(
+            self.cfg.server_addr,
+            [self.layout],
+            client_name="vllm-worker",
+            instance_name=self.instance_name,
+            rpc_timeout_s=self.cfg.rpc_timeout_s,
+            retry_interval_s=self.cfg.retry_interval_s,
+            probe_timeout_s=self.cfg.load_timeout_s,
+        )
+        self.link.start()
+
+    # -------------------------------------------------------------- loads
+    def start_load(self, meta: PegaConnectorMetadata) -> None:
+        for ids in meta.failed_loads.values():
+            self._invalid_ids.update(ids)
+        if not meta.loads:
+            return
+        if self._load_job is not None:  # the previous step did not finish its loads
+            self._finish_load()
+        job = _LoadJob(
+            meta.loads, self.pages.num_layers if self.pages else 0, time.monotonic() + self.cfg.load_timeout_s
+        )
+        self._load_job = job
+        if self.pages is None or self.link is None:
+            job.finish()  # nothing lands: _finish_load reports every block
+            return
+        self._load_thread.submit(self._run_load, job)
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        job = self._load_job
+        if job is None or self.pages is None:
+            return
+        layer = self.pages.layer_index.get(layer_name)
+        if layer is None:
+            return
+        t0 = time.monotonic()
+        landed = job.layer_done[layer].wait(max(job.deadline - t0, 0.0))
+        job.waited_s += time.monotonic() - t0
+        if not landed:
+            log.warning(
+                "pegaflow: loads missed the %.0f ms deadline at %s; recomputing them",
+                self.cfg.load_timeout_s * 1e3,
+                layer_name,
+            )
+            self.stats["load_timeouts"] += 1
+            job.cancel()
+
+    def _finish_load(self) -> set[str]:
+        """End the step's load job: after this no copy lands. Reports the blocks that did not
+        land and returns the requests they belong to."""
+        job, self._load_job = self._load_job, None
+        if job is None:
+            return set()
+        if not job.done.wait(max(job.deadline - time.monotonic(), 0.0)):
+            self.stats["load_timeouts"] += 1
+            job.cancel()
+        with job.lock:
+            job.cancelled = True  # nothing may land after the step
+            landed = job.layers_landed
+        complete = self.pages is not None and landed == self.pages.num_layers
+        failed_reqs: set[str] = set()
+        for t in job.transfers:
+            missing = [b for b in t.block_ids if not complete or b in job.missing_ids]
+            if missing:
+                failed_reqs.add(t.req_id)
+                self._invalid_ids.update(missing)
+                self.stats["load_failed_blocks"] += len(missing)
+            self.stats["loaded_blocks"] += len(t.block_ids) - len(missing)
+        if log.isEnabledFor(logging.DEBUG):
+            nbytes = sum(b for _, _, b in job.plans) * landed
+            log.debug(
+                "pegaflow: load of %d blocks (%.1f MiB): lease %.1f ms, copies %.1f ms, "
+                "forward waited %.1f ms",
+                sum(len(t.block_ids) for t in job.transfers),
+                nbytes / 2**20,
+                (job.t_leased - job.t_submit) * 1e3 if job.t_leased else -1,
+                (job.t_landed - job.t_leased) * 1e3 if job.t_landed else -1,
+                job.waited_s * 1e3,
+            )
+        return failed_reqs
+
+    def _run_load(self, job: _LoadJob) -> None:
+        from pegaflow.client import errors
+
+        assert self.pages is not None and self.link is not None
+        pages = self.pages
+        try:
+            usable = self.link.usable()
+            if usable is None:
+                return  # nothing lands: every block is reported failed
+            client, (inst,) = usable
+            for transfer in job.transfers:
+                if job.cancelled or job.deadline <= time.monotonic():
+                    return
+                try:
+                    locations, epoch = self._lease(client, inst, transfer.block_hashes, job)
+                    n = len(locations)
+                    if any(loc.length != pages.block_bytes for loc in locations):
+                        raise errors.PegaflowError(
+                            f"server returned locations that are not {pages.block_bytes} B"
+                        )
+                    if n:
+                        pool = self._pool_tensor(client, epoch)
+                        runs = plan_runs(
+                            transfer.block_ids[:n], [loc.offset for loc in locations], pages.block_bytes
+                        )
+                        job.plans.append((pool, runs, n * pages.page_bytes))
+                except errors.ServerUnavailable as exc:
+                    self.link.report_failure(exc, "lease")
+                    return
+                except errors.PegaflowError as exc:  # e.g. a stale epoch: this request recomputes
+                    log.warning("pegaflow: load of request %s failed (%s); recomputing", transfer.req_id, exc)
+                    n = 0
+                job.missing_ids.update(transfer.block_ids[n:])
+            job.t_leased = time.monotonic()
+            for layer in range(pages.num_layers):
+                with job.lock:
+                    if job.cancelled:
+                        return
+                    for pool, runs, _ in job.plans:
+                        pages.load_layer(pool, runs, layer)
+                    job.layers_landed = layer + 1
+                job.layer_done[layer].set()
+            job.t_landed = time.monotonic()
+        except Exception:
+            log.exception("pegaflow: load failed unexpectedly; recomputing")
+        finally:
+            job.finish()
+            if job.leases:
+                loaded = sum(b for _, _, b in job.plans) * job.layers_landed
+                self._housekeeping.submit(self._release, job.leases, loaded)
+
+    @staticmethod
+    def _lease(client: Any, inst: Any, hashes: list[bytes], job: _LoadJob) -> tuple[list[Any], str]:
+        """Pin the leading stored blocks of `hashes` (in batches the server accepts); returns
+        their locations, all of one epoch."""
+        locations: list[Any] = []
+        epoch = ""
+        for chunk in batches(hashes, client):
+            hit = client.query_prefix(inst, chunk, lease=True, timeout_s=_remaining(job.deadline))
+            if hit.lease_id:
+                job.leases.append(hit.lease_id)
+            if epoch and hit.epoch != epoch:
+                break  # the server restarted between two batches
+            epoch = hit.epoch
+            n = min(int(hit.num_hits), len(hit.locations), len(chunk))
+            locations.extend(hit.locations[:n])
+            if n < len(chunk):
+                break
+        return locations, epoch
+
+    def _release(self, leases: list[str], loaded_bytes: int) -> None:
+        from pegaflow.client import errors
+
+        usable = self.link.usable() if self.link is not None else None
+        if usable is None:
+            return  # the lease dies with its TTL or its session
+        client, _ = usable
+        for i, lease_id in enumerate(leases):
+            try:
+                client.release(
+                    lease_id, loaded_bytes=loaded_bytes if i == 0 else 0, timeout_s=self.cfg.rpc_timeout_s
+                )
+            except errors.PegaflowError as exc:
+                log.debug("pegaflow: releasing lease %s failed: %s", lease_id, exc)
+
+    def take_load_errors(self) -> set[int]:
+        self._finish_load()
+        out, self._invalid_ids = self._invalid_ids, set()
+        return out
+
+    def finish_step(self, meta: PegaConnectorMetadata) -> None:
+        """After the step's forward: close its loads, then queue its saves. A request whose
+        load failed computed this step on missing KV, so its new blocks are not saved (the
+        scheduler saves them again after the recompute)."""
+        failed = self._finish_load() | set(meta.failed_loads)
+        saves = [t for t in meta.saves if t.req_id not in failed]
+        if len(saves) < len(meta.saves):
+            self.stats["save_blocks_skipped_failed_load"] += sum(
+                len(t.block_ids) for t in meta.saves if t.req_id in failed
+            )
+        self.submit_saves(saves)
+
+    # -------------------------------------------------------------- saves
+    def handle_preemptions(self, preempted: Iterable[str]) -> None:
+        preempted = set(preempted)
+        if not preempted:
+            return
+        with self._save_lock:
+            jobs = [j for j in self._save_jobs if j.req_ids & preempted]
+        for job in jobs:
+            with job.lock:  # waits for a copy in progress, then no copy starts
+                job.cancelled = True
+            self.stats["save_jobs_preempted"] += 1
+
+    def submit_saves(self, saves: list[BlockTransfer]) -> None:
+        if not saves or not self.writer or self.pages is None or self.link is None:
+            return
+        seen: set[bytes] = set()
+        block_ids: list[int] = []
+        hashes: list[bytes] = []
+        for t in saves:
+            for b, h in zip(t.block_ids, t.block_hashes, strict=True):
+                if h not in seen:
+                    seen.add(h)
+                    block_ids.append(b)
+                    hashes.append(h)
+        nblocks = len(block_ids)
+        if self.link.usable() is None:
+            self.stats["save_blocks_skipped_unavailable"] += nblocks
+            return
+        job = _SaveJob(block_ids, hashes, {t.req_id for t in saves})
+        with self._save_lock:
+            if len(self._save_jobs) > self.cfg.max_pending_saves:
+                self.stats["save_blocks_dropped_backlog"] += nblocks
+                return
+            self._save_jobs.append(job)
+            for rid in job.req_ids:
+                self._pending_saves[rid] += 1
+        self._save_thread.submit(self._run_save, job)
+
+    def _run_save(self, job: _SaveJob) -> None:
+        from pegaflow.client import errors
+
+        assert self.pages is not None and self.link is not None
+        try:
+            usable = self.link.usable()
+            if usable is None or job.cancelled:
+                return
+            client, (inst,) = usable
+            start = 0
+            for chunk in batches(job.hashes, client):
+                ids = job.block_ids[start : start + len(chunk)]
+                start += len(chunk)
+                if not self._save_batch(client, inst, job, ids, chunk):
+                    return
+        except errors.ServerUnavailable as exc:
+            self.link.report_failure(exc, "save")
+            self.stats["save_jobs_failed"] += 1
+        except errors.PegaflowError as exc:
+            log.warning("pegaflow: save failed: %s", exc)
+            self.stats["save_jobs_failed"] += 1
+        except Exception:
+            log.exception("pegaflow: save failed unexpectedly")
+            self.stats["save_jobs_failed"] += 1
+        finally:
+            with self._save_lock:
+                self._save_jobs.remove(job)
+                for rid in job.req_ids:
+                    self._pending_saves[rid] -= 1
+                    if self._pending_saves[rid] <= 0:
+                        del self._pending_saves[rid]
+
+    def _save_batch(
+        self, client: Any, inst: Any, job: _SaveJob, block_ids: list[int], hashes: list[bytes]
+    ) -> bool:
+        """allocate -> copy the granted blocks -> seal. False when the job was cancelled."""
+        from pegaflow.client import errors
+
+        assert self.pages is not None
+        batch = client.allocate(inst, hashes, timeout_s=self.cfg.rpc_timeout_s)
+        granted = [i for i, a in enumerate(batch.allocations) if a.granted]
+        self.stats["save_blocks_deduplicated"] += len(hashes) - len(granted)
+        if not granted or not batch.save_id:
+            return True
+        sealed = False
+        try:
+            if any(batch.allocations[i].length != self.pages.block_bytes for i in granted):
+                raise errors.PegaflowError(f"granted locations are not {self.pages.block_bytes} B")
+            pool = self._pool_tensor(client, batch.epoch)
+            runs = plan_runs(
+                [block_ids[i] for i in granted],
+                [batch.allocations[i].offset for i in granted],
+                self.pages.block_bytes,
+            )
+            with job.lock:
+                if job.cancelled:
+                    return False
+                self.pages.save_blocks(pool, runs)
+            del pool
+            client.seal(batch.save_id, timeout_s=self.cfg.rpc_timeout_s)
+            sealed = True
+            self.stats["saved_blocks"] += len(granted)
+            return True
+        finally:
+            if not sealed:
+                self._abort_quietly(client, batch.save_id)
+
+    def _abort_quietly(self, client: Any, save_id: str) -> None:
+        from pegaflow.client import errors
+
+        try:
+            client.abort(save_id, timeout_s=self.cfg.rpc_timeout_s)
+        except errors.PegaflowError as exc:
+            log.debug(
+                "pegaflow: abort of %s failed (the server frees it at its write timeout): %s", save_id, exc
+            )
+
+    def finished_sending(self, delayed_free_req_ids: Iterable[str]) -> set[str]:
+        """Requests whose blocks vLLM kept for our saves and whose saves are now done."""
+        self._awaiting_free.update(delayed_free_req_ids)
+        if not self._awaiting_free:
+            return set()
+        with self._save_lock:
+            done = {rid for rid in self._awaiting_free if rid not in self._pending_saves}
+        self._awaiting_free -= done
+        return done
+
+    # ------------------------------------------------------------- shared
+    @staticmethod
+    def _pool_tensor(client: Any, epoch: str) -> torch.Tensor:
+        """The pool of `epoch` as one flat byte tensor (StaleEpoch for an old epoch). Made
+        per job and dropped with it: a live view would keep an old mapping (a whole pool
+        of memory) from being unmapped after a server restart."""
+        return torch.from_numpy(client.pool_view(epoch))
+
+    def shutdown(self) -> None:
+        self._finish_load()
+        self._load_thread.shutdown(wait=True, cancel_futures=True)
+        self._save_thread.shutdown(wait=True, cancel_futures=True)
+        self._housekeeping.shutdown(wait=True, cancel_futures=True)
+        if self.link is not None:
+            self.link.close()
+        log.info("pegaflow: worker connector stopped: %s", dict(self.stats))

@@ -1,0 +1,35 @@
+"""Exceptions of the metaserver client. Catch ``MetaServerError`` for all of them.
+
+``MetaServerUnavailable`` (and ``DeadlineExceeded``) mean "no answer now": the
+index is only a hint, so a caller treats them as "no remote holder known".
+"""
+
+from __future__ import annotations
+
+
+class MetaServerError(Exception):
+    """Base of every error the metaserver client raises."""
+
+
+class MetaServerUnavailable(MetaServerError):
+    """The metaserver cannot be reached."""
+
+
+class DeadlineExceeded(MetaServerUnavailable):
+    """The call did not complete within its deadline."""
+
+
+class InvalidArgument(MetaServerError):
+    """The request was malformed (the metaserver or the client's own check said so)."""
+
+
+class LeaseLost(MetaServerError):
+    """The metaserver does not know this node lease (expired or replaced): register again and republish."""
+
+
+class ResourceExhausted(MetaServerError):
+    """The metaserver refused the request for lack of room (e.g. too many nodes registered)."""
+
+
+class ServerError(MetaServerError):
+    """The metaserver failed internally."""

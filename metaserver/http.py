@@ -1,0 +1,70 @@
+"""/metrics (Prometheus text format) and /health over HTTP, served by background threads."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socketserver
+import threading
+from collections.abc import Callable
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, make_wsgi_app
+
+from pegaflow.metaserver.config import parse_host_port
+
+log = logging.getLogger(__name__)
+
+
+class _ThreadingWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 - the stdlib's signature
+        log.debug("http: " + format, *args)
+
+
+class MetricsHttpServer:
+    """Serves ``registry`` on /metrics and ``health()`` (-> (ok, detail)) on /health."""
+
+    def __init__(
+        self, addr: str, registry: CollectorRegistry, health: Callable[[], tuple[bool, dict]]
+    ) -> None:
+        host, port = parse_host_port(addr)
+        metrics_app = make_wsgi_app(registry)
+
+        def app(environ, start_response):
+            path = environ.get("PATH_INFO", "")
+            if path == "/metrics":
+                return metrics_app(environ, start_response)
+            if path == "/health":
+                try:
+                    ok, detail = health()
+                except Exception as exc:  # a failing check is an unhealthy answer, not a crash
+                    ok, detail = False, {"error": str(exc)}
+                body = json.dumps({"status": "ok" if ok else "unhealthy", **detail}).encode()
+                status = "200 OK" if ok else "503 Service Unavailable"
+            else:
+                body = b'{"error": "not found: try /metrics or /health"}'
+                status = "404 Not Found"
+            start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+            return [body]
+
+        self._server = make_server(
+            host, port, app, server_class=_ThreadingWSGIServer, handler_class=_QuietHandler
+        )
+        bound_host, bound_port = self._server.server_address[:2]
+        self.address = f"{host or bound_host}:{bound_port}"
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="metaserver-http", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)

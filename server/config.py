@@ -1,0 +1,153 @@
+"""Server configuration: one frozen dataclass shared by the CLI, the runtime and embedded users.
+
+Sizes and durations from the command line are parsed strictly here ("512mb",
+"30gb", "1tb"; "15m", "1h", "24h"): a typo is an error, never a silent default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+KIB = 1 << 10
+MIB = 1 << 20
+GIB = 1 << 30
+TIB = 1 << 40
+
+_SIZE_UNITS = {
+    "b": 1,
+    "k": KIB,
+    "kb": KIB,
+    "kib": KIB,
+    "m": MIB,
+    "mb": MIB,
+    "mib": MIB,
+    "g": GIB,
+    "gb": GIB,
+    "gib": GIB,
+    "t": TIB,
+    "tb": TIB,
+    "tib": TIB,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """Bytes from a human size. Units are binary (1gb = 2**30 bytes) and required: a bare
+    "30" is more likely a forgotten "gb" than thirty bytes.
+
+    Raises ValueError for anything else (no unit, negative, zero, unknown unit, garbage).
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"size must be a string like '30gb', got {text!r}")
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError(f"invalid size {text!r}: expected a number and a unit, e.g. 512mb, 30gb, 1tb")
+    number, unit = m.group(1), m.group(2).lower()
+    if not unit:
+        raise ValueError(f"invalid size {text!r}: a unit is required (b, kb, mb, gb or tb), e.g. {text}gb")
+    if unit not in _SIZE_UNITS:
+        raise ValueError(f"invalid size {text!r}: unknown unit {m.group(2)!r} (use b, kb, mb, gb or tb)")
+    value = float(number) * _SIZE_UNITS[unit]
+    if value != int(value):
+        raise ValueError(f"invalid size {text!r}: not a whole number of bytes")
+    if value <= 0:
+        raise ValueError(f"invalid size {text!r}: must be greater than zero")
+    return int(value)
+
+
+def format_size(nbytes: int) -> str:
+    for unit, scale in (("TiB", TIB), ("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from '250ms', '30s', '15m', '1h', '24h', '7d'. A unit is required."""
+    m = _DURATION_RE.match(text) if isinstance(text, str) else None
+    if not m:
+        raise ValueError(f"invalid duration {text!r}: expected a number and one of ms, s, m, h, d (e.g. 15m)")
+    seconds = float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+    if seconds <= 0:
+        raise ValueError(f"invalid duration {text!r}: must be greater than zero")
+    return seconds
+
+
+def parse_windows(text: str) -> dict[str, float]:
+    """'15m,1h,24h' -> {'15m': 900.0, '1h': 3600.0, '24h': 86400.0} (names kept as written)."""
+    windows: dict[str, float] = {}
+    for part in text.split(","):
+        name = part.strip()
+        if not name:
+            raise ValueError(f"invalid window list {text!r}: empty entry")
+        if name in windows:
+            raise ValueError(f"invalid window list {text!r}: {name!r} given twice")
+        windows[name] = parse_duration(name)
+    return windows
+
+
+def parse_host_port(text: str) -> tuple[str, int]:
+    """'127.0.0.1:50055' / '[::1]:50055' / '0.0.0.0:0' -> (host, port). Port 0 binds an ephemeral port."""
+    m = re.match(r"^\[([0-9a-fA-F:.]+)\]:(\d+)$", text) or re.match(r"^([^:\s]+):(\d+)$", text)
+    if not m:
+        raise ValueError(f"invalid address {text!r}: expected HOST:PORT, e.g. 127.0.0.1:50055")
+    port = int(m.group(2))
+    if port > 65535:
+        raise ValueError(f"invalid address {text!r}: port out of range")
+    return m.group(1), port
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """Everything a running server needs. Defaults are the production defaults."""
+
+    pool_size_bytes: int
+    addr: str = "127.0.0.1:50055"
+    http_addr: str | None = "127.0.0.1:9091"  # None: no metrics/health HTTP endpoint (embedded use)
+    use_hugepages: bool = False
+    enable_lfu_admission: bool = False
+    hll_windows: dict[str, float] = dataclasses.field(
+        default_factory=lambda: {"15m": 900.0, "1h": 3600.0, "24h": 86400.0}
+    )
+    # Unix socket that passes the pool fd; None = a fresh path under the system temp dir.
+    fd_socket_path: str | None = None
+    # Liveness: a client heartbeats every session_ttl_s / 5; silence for session_ttl_s kills its session.
+    session_ttl_s: float = 5.0
+    lease_ttl_s: float = 30.0  # default when the client asks for 0
+    max_lease_ttl_s: float = 600.0
+    write_timeout_s: float = 60.0  # granted-but-unsealed blocks are freed after this
+    # Allocator slab size; None picks one from the pool size (see pool/README.md).
+    slab_bytes: int | None = None
+    max_batch_blocks: int = 4096  # hashes per QueryPrefix / AllocateBlocks / SealBlocks
+    max_hash_bytes: int = 64
+    rpc_workers: int = 16
+    # Deadline applied to calls that arrive without one (the protocol requires one; health probes may not).
+    default_rpc_deadline_s: float = 10.0
+    reaper_interval_s: float = 0.2
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pool_size_bytes, int) or self.pool_size_bytes <= 0:
+            raise ValueError(f"pool_size_bytes must be a positive int, got {self.pool_size_bytes!r}")
+        parse_host_port(self.addr)
+        if self.http_addr is not None:
+            parse_host_port(self.http_addr)
+        for name, seconds in self.hll_windows.items():
+            if seconds <= 0:
+                raise ValueError(f"hll window {name!r} must be positive")
+        for field in ("session_ttl_s", "lease_ttl_s", "max_lease_ttl_s", "write_timeout_s"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"{field} must be positive")
+        if self.lease_ttl_s > self.max_lease_ttl_s:
+            raise ValueError("lease_ttl_s must not exceed max_lease_ttl_s")
+        if not 1 <= self.max_batch_blocks <= 1 << 16:
+            raise ValueError("max_batch_blocks must be in 1..65536")
+        if not 1 <= self.max_hash_bytes <= 1024:
+            raise ValueError("max_hash_bytes must be in 1..1024")
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        return self.session_ttl_s / 5.0

@@ -1,0 +1,64 @@
+"""The GPU data path's four RPCs on the server: request message -> GpuDataPath -> response message.
+
+The servicer (server/rpc/servicer.py) wraps each ``handle_*`` in its
+``_handler`` (deadline, error codes, metrics). Errors are the engine's
+(InvalidArgument, NotFound, FailedPrecondition, ...), so they map to the same
+status codes as every other call. The client's side of the messages is in
+registration.py.
+"""
+
+from __future__ import annotations
+
+from pegaflow.proto import pegaflow_pb2 as pb
+from pegaflow.server.config import ServerConfig
+from pegaflow.server.errors import FailedPrecondition, InvalidArgument
+from pegaflow.server.gpu.registration import registration_from_proto
+from pegaflow.server.rpc import validation as check
+
+NO_GPU = "this pegaflow-server has no GPU data path (no CUDA device, CuPy missing, or --gpu-copy-mode off)"
+
+
+def _require(gpu):
+    if gpu is None:
+        raise FailedPrecondition(NO_GPU)
+    return gpu
+
+
+def _block_ids(ids, hashes: list[bytes]) -> list[int]:
+    if len(ids) != len(hashes):
+        raise InvalidArgument(f"{len(hashes)} block_hashes but {len(ids)} block_ids")
+    return list(ids)
+
+
+# ------------------------------------------------------------------ server side
+
+
+def handle_register(gpu, req: pb.RegisterDeviceMemoryRequest, deadline: float):
+    session_id = check.ident(req.session_id, "session_id")
+    instance_id = check.ident(req.instance_id, "instance_id")
+    reg = registration_from_proto(req)
+    reg_id = _require(gpu).register(session_id, instance_id, reg, deadline)
+    return pb.RegisterDeviceMemoryResponse(registration_id=reg_id)
+
+
+def handle_unregister(gpu, req: pb.UnregisterDeviceMemoryRequest, deadline: float):
+    _require(gpu).unregister(
+        check.ident(req.session_id, "session_id"), check.ident(req.registration_id, "registration_id")
+    )
+    return pb.UnregisterDeviceMemoryResponse()
+
+
+def handle_save(gpu, req: pb.SaveFromDeviceRequest, deadline: float, config: ServerConfig):
+    session_id = check.ident(req.session_id, "session_id")
+    reg_id = check.ident(req.registration_id, "registration_id")
+    hashes = check.block_hashes(req.block_hashes, config)
+    out = _require(gpu).save(session_id, reg_id, hashes, _block_ids(req.block_ids, hashes), deadline)
+    return pb.SaveFromDeviceResponse(statuses=[int(s) for s in out.statuses], written=out.written)
+
+
+def handle_load(gpu, req: pb.LoadToDeviceRequest, deadline: float, config: ServerConfig):
+    session_id = check.ident(req.session_id, "session_id")
+    reg_id = check.ident(req.registration_id, "registration_id")
+    hashes = check.block_hashes(req.block_hashes, config)
+    out = _require(gpu).load(session_id, reg_id, hashes, _block_ids(req.block_ids, hashes), deadline)
+    return pb.LoadToDeviceResponse(num_hits=out.num_hits)

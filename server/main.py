@@ -1,0 +1,195 @@
+"""pegaflow-server: the per-host KV cache daemon.
+
+    pegaflow-server --pool-size 30gb [--use-hugepages] [--addr 127.0.0.1:50055] [--http-addr 127.0.0.1:9091]
+
+When everything listens it prints one JSON line on stdout,
+{"event": "ready", "addr": ..., "http_addr": ..., "fd_socket_path": ..., "epoch": ...},
+so a supervisor (or a test) that asked for port 0 learns the real ports. Logs
+go to stderr. SIGTERM / SIGINT shut it down cleanly (leases dropped, pool freed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+
+from pegaflow.server.config import ServerConfig, parse_host_port, parse_size, parse_windows
+from pegaflow.server.errors import PoolCapacityError
+
+log = logging.getLogger("pegaflow.server")
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _windows(text: str) -> dict[str, float]:
+    try:
+        return parse_windows(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _addr(text: str) -> str:
+    try:
+        parse_host_port(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number of seconds {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be greater than zero, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pegaflow-server",
+        description="Per-host external KV cache for vLLM: owns a shared host-memory pool, serves it to local "
+        "engines over gRPC (control) and fd passing (data).",
+    )
+    p.add_argument(
+        "--pool-size",
+        type=_size,
+        required=True,
+        help="size of the shared KV pool, e.g. 512mb, 30gb, 1tb (binary units). Allocated and "
+        "pre-faulted at start; refused if this machine cannot back it",
+    )
+    p.add_argument(
+        "--addr",
+        type=_addr,
+        default="127.0.0.1:50055",
+        help="gRPC listen address HOST:PORT (port 0 picks a free one; default %(default)s)",
+    )
+    p.add_argument(
+        "--http-addr",
+        type=_addr,
+        default="127.0.0.1:9091",
+        help="HTTP address for /metrics (Prometheus) and /health (default %(default)s)",
+    )
+    p.add_argument(
+        "--use-hugepages",
+        action="store_true",
+        help="back the pool with 2 MiB huge pages (they must be reserved beforehand, "
+        "e.g. /proc/sys/vm/nr_hugepages)",
+    )
+    p.add_argument(
+        "--enable-lfu-admission",
+        action="store_true",
+        help="W-TinyLFU admission and eviction instead of plain LRU (protects against scans)",
+    )
+    p.add_argument(
+        "--metric-hll-windows",
+        type=_windows,
+        default=parse_windows("15m,1h,24h"),
+        metavar="WINDOWS",
+        help="comma-separated windows for the hit-rate metrics and the HyperLogLog hit-rate ceiling "
+        "(units ms, s, m, h, d; default 15m,1h,24h)",
+    )
+    p.add_argument(
+        "--fd-socket-path",
+        default=None,
+        help="Unix socket on which local clients receive the pool's fd "
+        "(default: a fresh path under $XDG_RUNTIME_DIR or the temp dir, removed at exit)",
+    )
+    p.add_argument(
+        "--session-ttl",
+        type=_positive_seconds,
+        default=5.0,
+        metavar="SECONDS",
+        help="a client that sends no request or heartbeat for this long loses its leases and "
+        "unsealed blocks (default %(default)s)",
+    )
+    p.add_argument(
+        "--write-timeout",
+        type=_positive_seconds,
+        default=60.0,
+        metavar="SECONDS",
+        help="granted blocks not sealed within this many seconds are freed (default %(default)s)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="log verbosity on stderr (default %(default)s)",
+    )
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        pool_size_bytes=args.pool_size,
+        addr=args.addr,
+        http_addr=args.http_addr,
+        use_hugepages=args.use_hugepages,
+        enable_lfu_admission=args.enable_lfu_admission,
+        hll_windows=args.metric_hll_windows,
+        fd_socket_path=args.fd_socket_path,
+        session_ttl_s=args.session_ttl,
+        write_timeout_s=args.write_timeout,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    from pegaflow.server.runtime import start_server  # after logging is set up: start-up logs matter
+
+    try:
+        server = start_server(config_from_args(args))
+    except PoolCapacityError as exc:
+        log.error("%s", exc)
+        print(f"pegaflow-server: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        log.error("cannot start: %s", exc)
+        print(f"pegaflow-server: error: {exc}", file=sys.stderr)
+        return 1
+
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        log.info("received %s, shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print(
+        json.dumps(
+            {
+                "event": "ready",
+                "addr": server.address,
+                "http_addr": server.http_address,
+                "fd_socket_path": server.fd_socket_path,
+                "epoch": server.epoch,
+                "pool_size_bytes": server.engine.region.size_bytes,
+                "prefault_s": round(server.engine.region.prefault_s, 3),
+            }
+        ),
+        flush=True,
+    )
+    while not stop.wait(1.0):
+        pass
+    server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,299 @@
+"""Prometheus metrics of one server, in a CollectorRegistry of its own.
+
+Its own registry (not prometheus-client's global one) so tests and embedded
+servers in one process do not clash. Engine state is read at scrape time by a
+custom collector (one short engine lock per scrape); the query path itself only
+appends to a deque. A feeder thread drains that deque into the HyperLogLog
+hit-rate ceiling and the measured windowed hit rate, so neither the HLL work
+nor a scrape can stall a query.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pegaflow.server.engine import EngineObserver, KVEngine
+from pegaflow.server.metrics.windowed_rate import WindowedHitRate
+
+log = logging.getLogger(__name__)
+
+RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
+TRANSFER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+FEED_INTERVAL_S = 0.1
+# Bounded so a stalled feeder cannot grow memory without limit; what is dropped is counted.
+MAX_PENDING_LOOKUPS = 100_000
+MAX_KEYS_PER_ADD = 65_536
+
+
+def _load_ceiling(windows: dict[str, float]):
+    """The HLL ceiling (server/metrics/hll_ceiling.py, written by the policy engineer), if present."""
+    try:
+        from pegaflow.server.metrics.hll_ceiling import HitRateCeiling
+    except ImportError:
+        log.warning(
+            "metrics: HitRateCeiling is not available; pegaflow_hll_estimated_hit_rate is not exported"
+        )
+        return None
+    return HitRateCeiling(windows)
+
+
+class ServerMetrics(EngineObserver):
+    """The engine's observer and the Prometheus registry of one server."""
+
+    def __init__(self, windows: dict[str, float]):
+        self.windows = dict(windows)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.rpc_duration = Histogram(
+            "pegaflow_rpc_duration_seconds",
+            "Server-side duration of each gRPC call, by method",
+            ["method"],
+            buckets=RPC_BUCKETS,
+            registry=self.registry,
+        )
+        self.rpc_calls = Counter(
+            "pegaflow_rpc", "gRPC calls by method and status code", ["method", "code"], registry=self.registry
+        )
+        self.save_duration = Histogram(
+            "pegaflow_save_duration_seconds",
+            "Time from AllocateBlocks to the SealBlocks that completed a save",
+            buckets=TRANSFER_BUCKETS,
+            registry=self.registry,
+        )
+        self.load_duration = Histogram(
+            "pegaflow_load_duration_seconds",
+            "Time from the QueryPrefix that took a lease to its ReleaseLease (loads that read bytes)",
+            buckets=TRANSFER_BUCKETS,
+            registry=self.registry,
+        )
+        self.hit_rate = WindowedHitRate(self.windows)
+        self.ceiling = _load_ceiling(self.windows)
+        self.dropped_lookups = 0
+        self._engine: KVEngine | None = None
+        self._pending: deque[tuple[int, Sequence[bytes], int]] = deque()
+        self._state_lock = threading.Lock()  # hit_rate and ceiling: feeder writes, scrapes read
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._feeder = threading.Thread(target=self._feed_loop, name="pegaflow-metrics-feeder", daemon=True)
+        self.registry.register(_EngineCollector(self))
+
+    def bind(self, engine: KVEngine) -> None:
+        self._engine = engine
+        if not self._feeder.is_alive():
+            self._feeder.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._feeder.is_alive():
+            self._feeder.join(timeout=5)
+
+    # --------------------------------------------------- EngineObserver (hot path)
+
+    def on_lookup(self, namespace_index: int, hashes: Sequence[bytes], hits: int) -> None:
+        if len(self._pending) >= MAX_PENDING_LOOKUPS:
+            self.dropped_lookups += 1
+            return
+        self._pending.append((namespace_index, hashes, hits))
+
+    def on_save(self, nbytes: int, seconds: float) -> None:
+        self.save_duration.observe(seconds)
+
+    def on_load(self, nbytes: int, seconds: float) -> None:
+        self.load_duration.observe(seconds)
+
+    def observe_rpc(self, method: str, code: str, seconds: float) -> None:
+        self.rpc_duration.labels(method).observe(seconds)
+        self.rpc_calls.labels(method, code).inc()
+
+    # ------------------------------------------------------------ windows
+
+    def window_rates(self) -> tuple[dict[str, float | None], dict[str, float | None]]:
+        """(measured hit rate, HLL ceiling) per window; None where a window saw no lookups."""
+        self.flush()
+        with self._state_lock:
+            measured = self.hit_rate.rates()
+            if self.ceiling is None:
+                ceiling = {}
+            else:
+                ceiling = {name: self.ceiling.ceiling(name) for name in self.windows}
+        return measured, ceiling
+
+    def flush(self) -> None:
+        """Feeds every pending lookup now (scrapes and tests want up-to-date windows)."""
+        while self._pending:
+            self._feed_some()
+
+    def _feed_loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(FEED_INTERVAL_S)
+            self._wake.clear()
+            try:
+                while self._pending and not self._stop.is_set():
+                    self._feed_some()
+            except Exception:
+                log.exception("metrics feeder failed; continuing")
+
+    def _feed_some(self) -> None:
+        keys: list[bytes] = []
+        hits = requests = 0
+        while self._pending and len(keys) < MAX_KEYS_PER_ADD:
+            try:
+                ns_index, hashes, nhits = self._pending.popleft()
+            except IndexError:
+                break
+            prefix = ns_index.to_bytes(4, "little")
+            keys.extend(prefix + h for h in hashes)
+            hits += nhits
+            requests += len(hashes)
+        if not requests:
+            return
+        with self._state_lock:
+            self.hit_rate.add(hits, requests)
+            if self.ceiling is not None:
+                self.ceiling.add(keys)
+
+
+class _EngineCollector:
+    """Reads engine state at scrape time."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self._metrics = metrics
+
+    def collect(self):
+        engine = self._metrics._engine
+        if engine is None or engine.closed:
+            return
+        try:
+            stats = engine.stats(deadline=time.monotonic() + 2.0)
+        except Exception as exc:
+            log.warning("metrics: engine stats unavailable: %s", exc)
+            return
+        counters = engine.counters
+
+        def gauge(name: str, doc: str, value: float):
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], value)
+            return g
+
+        def counter(name: str, doc: str, value: float):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], value)
+            return c
+
+        yield gauge("pegaflow_pool_capacity_bytes", "Bytes of the shared KV pool", stats.pool_capacity_bytes)
+        yield gauge(
+            "pegaflow_pool_used_bytes",
+            "Bytes of the pool holding blocks (sealed or being written)",
+            stats.pool_used_bytes,
+        )
+        yield gauge(
+            "pegaflow_pool_stranded_bytes",
+            "Bytes of slabs assigned to a block size but holding no block (free slots, slot tails)",
+            stats.stranded_bytes,
+        )
+        yield gauge("pegaflow_pool_free_slabs", "Slabs not assigned to any block size", stats.free_slabs)
+        yield gauge("pegaflow_pool_slabs", "Slabs in the pool", stats.total_slabs)
+        yield counter(
+            "pegaflow_pool_slab_moves", "Slabs moved from one block size to another", stats.slab_moves
+        )
+        yield gauge("pegaflow_resident_blocks", "Sealed blocks in the pool", stats.resident_blocks)
+        yield gauge("pegaflow_pinned_blocks", "Blocks pinned by at least one lease", stats.pinned_blocks)
+        yield gauge("pegaflow_writing_blocks", "Blocks granted and not yet sealed", stats.writing_blocks)
+
+        hits = CounterMetricFamily(
+            "pegaflow_block_hits", "Looked-up blocks found (leading prefix hits)", labels=["tier"]
+        )
+        hits.add_metric(["dram"], stats.hits)
+        yield hits
+        misses = CounterMetricFamily(
+            "pegaflow_block_misses", "Looked-up blocks not found (after the prefix)", labels=["tier"]
+        )
+        misses.add_metric(["dram"], stats.misses)
+        yield misses
+        yield counter("pegaflow_queries", "QueryPrefix calls", counters.queries)
+        yield counter("pegaflow_evictions", "Blocks evicted to make room", stats.evictions)
+        yield counter(
+            "pegaflow_admission_rejections",
+            "Blocks the admission policy refused to keep",
+            stats.admission_rejections,
+        )
+        yield counter("pegaflow_save_bytes", "Bytes sealed (saved) into the pool", counters.save_bytes)
+        yield counter("pegaflow_saved_blocks", "Blocks sealed", counters.sealed_blocks)
+        yield counter(
+            "pegaflow_load_bytes", "Bytes clients reported loading under leases", counters.load_bytes
+        )
+        yield counter(
+            "pegaflow_aborted_blocks",
+            "Granted blocks freed unsealed (abort, timeout, client death)",
+            counters.aborted_blocks,
+        )
+        yield counter(
+            "pegaflow_no_space_blocks",
+            "Block allocations refused: nothing evictable",
+            counters.no_space_blocks,
+        )
+        yield counter(
+            "pegaflow_expired_leases", "Leases that reached their TTL unreleased", counters.expired_leases
+        )
+        yield counter(
+            "pegaflow_timed_out_saves", "Saves freed by the write timeout", counters.timed_out_saves
+        )
+        ended = CounterMetricFamily("pegaflow_sessions_ended", "Sessions ended, by cause", labels=["cause"])
+        ended.add_metric(["closed"], counters.closed_sessions)
+        ended.add_metric(["disconnected"], counters.disconnected_sessions)
+        ended.add_metric(["heartbeat_timeout"], counters.expired_sessions)
+        yield ended
+        yield gauge("pegaflow_live_sessions", "Open client sessions", stats.live_sessions)
+        yield gauge("pegaflow_live_instances", "Registered instances", stats.live_instances)
+        yield gauge("pegaflow_live_leases", "Unreleased leases", stats.live_leases)
+        yield gauge("pegaflow_open_saves", "Saves with unsealed blocks", stats.open_saves)
+        ns_blocks = GaugeMetricFamily(
+            "pegaflow_namespace_resident_blocks", "Sealed blocks per namespace", labels=["namespace", "model"]
+        )
+        for ns in stats.namespaces:
+            ns_blocks.add_metric([ns.namespace_id, ns.model_id], ns.resident_blocks)
+        yield ns_blocks
+        yield gauge(
+            "pegaflow_pool_prefault_seconds",
+            "Time taken to allocate and pre-fault the pool at start",
+            engine.region.prefault_s,
+        )
+
+        measured, ceiling = self._metrics.window_rates()
+        rate = GaugeMetricFamily(
+            "pegaflow_measured_hit_rate", "Block hit rate over the window", labels=["window"]
+        )
+        for name, value in measured.items():
+            if value is not None:
+                rate.add_metric([name], value)
+        yield rate
+        if self._metrics.ceiling is not None:
+            est = GaugeMetricFamily(
+                "pegaflow_hll_estimated_hit_rate",
+                "Hit-rate ceiling r* = (N - U) / N over the window, U estimated with HyperLogLog",
+                labels=["window"],
+            )
+            for name, value in ceiling.items():
+                if value is not None:
+                    est.add_metric([name], value)
+            yield est
+            mem = GaugeMetricFamily(
+                "pegaflow_hll_memory_bytes",
+                "Memory of the HyperLogLog registers per window",
+                labels=["window"],
+            )
+            for name in self._metrics.windows:
+                mem.add_metric([name], self._metrics.ceiling.memory_bytes(name))
+            yield mem
+        yield counter(
+            "pegaflow_metrics_dropped_lookups",
+            "Lookups not fed to the hit-rate windows (feeder behind)",
+            self._metrics.dropped_lookups,
+        )

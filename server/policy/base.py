@@ -1,0 +1,55 @@
+"""The seam between the engine and an eviction/admission policy.
+
+The engine owns bytes, pins (leases) and the allocator; a policy only orders
+resident keys and tells the engine which one to evict next. Keys are opaque
+hashables (the engine uses ``(namespace_id, block_hash)``).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Hashable, Sequence
+
+
+class EvictionPolicy(abc.ABC):
+    """Orders resident keys for eviction.
+
+    Contract shared by every implementation:
+
+    * ``on_insert`` is called once a key becomes resident (sealed), with its size
+      in bytes; ``on_remove`` once it has left (evicted or deleted). Between the
+      two the key is *resident* and the policy tracks it.
+    * ``next_victim`` never removes anything: the engine evicts the returned key
+      and then calls ``on_remove``. It never returns a key for which
+      ``skip(key)`` is true (a leased block) nor a key that is not resident.
+    * Implementations are thread-safe: their methods are serialised by an
+      internal lock. ``skip`` runs under that lock, so it must not call back into
+      the policy.
+    """
+
+    name: str
+    # W-TinyLFU: candidates that lost against the main region's victim. Always 0 for LRU.
+    admission_rejections: int = 0
+
+    @abc.abstractmethod
+    def record_lookups(self, keys: Sequence[Hashable]) -> None:
+        """Every looked-up key, hit or miss (the frequency signal). On the query path: must be cheap."""
+
+    @abc.abstractmethod
+    def on_insert(self, key: Hashable, nbytes: int) -> None:
+        """``key`` became resident, occupying ``nbytes`` bytes of the pool."""
+
+    @abc.abstractmethod
+    def on_access(self, key: Hashable) -> None:
+        """A resident key was hit. Unknown keys are ignored (the hit may race with a removal)."""
+
+    @abc.abstractmethod
+    def on_remove(self, key: Hashable) -> None:
+        """``key`` left the cache (evicted or deleted by the engine). Unknown keys are ignored."""
+
+    @abc.abstractmethod
+    def next_victim(self, skip: Callable[[Hashable], bool]) -> Hashable | None:
+        """The key the engine should evict next, ignoring keys for which ``skip(key)`` is true.
+
+        Returns None when nothing is evictable. Does not remove the key.
+        """

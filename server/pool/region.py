@@ -1,0 +1,155 @@
+"""The shared-memory region that holds every cached KV byte on this host.
+
+One memfd (hugetlb-backed with ``use_hugepages``), sized and pre-faulted at
+start so that the memory is really there: ``posix_fallocate`` makes the kernel
+allocate every page now (failing loudly instead of an OOM or SIGBUS later) and
+``MAP_POPULATE`` fills the page tables. Local clients map the same memfd, passed
+to them by ``fd_broker``; the server itself maps it too, which is what a later
+GPU path needs (the server registers this mapping with cudaHostRegister and
+copies between it and the workers' CUDA IPC buffers itself).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import pathlib
+import time
+
+from pegaflow.server.config import MIB, format_size
+from pegaflow.server.errors import PoolCapacityError
+
+log = logging.getLogger(__name__)
+
+HUGEPAGE_BYTES = 2 * MIB
+# Memory the server process itself (Python, gRPC, index) needs besides the pool.
+PROCESS_HEADROOM_BYTES = 256 * MIB
+
+
+def read_meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
+    """/proc/meminfo as bytes (page counts such as HugePages_Free stay counts)."""
+    info: dict[str, int] = {}
+    for line in pathlib.Path(path).read_text().splitlines():
+        name, _, rest = line.partition(":")
+        parts = rest.split()
+        if not parts:
+            continue
+        value = int(parts[0])
+        info[name] = value * 1024 if len(parts) > 1 and parts[1] == "kB" else value
+    return info
+
+
+def _cgroup_memory_room() -> int | None:
+    """Bytes left under this process's cgroup v2 memory limit, or None when unlimited/unknown."""
+    try:
+        rel = pathlib.Path("/proc/self/cgroup").read_text().strip().split("::", 1)[1]
+        base = pathlib.Path("/sys/fs/cgroup") / rel.lstrip("/")
+        limit = (base / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return int(limit) - int((base / "memory.current").read_text().strip())
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def check_capacity(size_bytes: int, use_hugepages: bool, meminfo: dict[str, int] | None = None) -> None:
+    """Refuse, with a message an operator can act on, a pool this machine cannot back."""
+    info = meminfo if meminfo is not None else read_meminfo()
+    if use_hugepages:
+        page = info.get("Hugepagesize", HUGEPAGE_BYTES)
+        total = info.get("HugePages_Total", 0)
+        usable = (info.get("HugePages_Free", 0) - info.get("HugePages_Rsvd", 0)) * page
+        if total == 0:
+            raise PoolCapacityError(
+                "--use-hugepages: no huge pages are reserved on this machine (HugePages_Total is 0). "
+                f"Reserve at least {-(-size_bytes // page)} pages of {format_size(page)}, e.g. "
+                f"`echo {-(-size_bytes // page)} > /proc/sys/vm/nr_hugepages`, or drop --use-hugepages."
+            )
+        if size_bytes > usable:
+            raise PoolCapacityError(
+                f"--pool-size {format_size(size_bytes)} does not fit in the free huge pages "
+                f"({format_size(max(usable, 0))} free of {total} x {format_size(page)} reserved). "
+                "Reserve more pages (/proc/sys/vm/nr_hugepages) or lower --pool-size."
+            )
+        return
+    available = info.get("MemAvailable", 0)
+    room = available - PROCESS_HEADROOM_BYTES
+    if size_bytes > room:
+        raise PoolCapacityError(
+            f"--pool-size {format_size(size_bytes)} cannot be backed by this machine: "
+            f"MemAvailable is {format_size(available)} and the server needs "
+            f"{format_size(PROCESS_HEADROOM_BYTES)} besides the pool. Lower --pool-size."
+        )
+    cgroup_room = _cgroup_memory_room()
+    if cgroup_room is not None and size_bytes + PROCESS_HEADROOM_BYTES > cgroup_room:
+        raise PoolCapacityError(
+            f"--pool-size {format_size(size_bytes)} exceeds this cgroup's memory limit "
+            f"({format_size(max(cgroup_room, 0))} left under memory.max). Lower --pool-size."
+        )
+
+
+class PoolRegion:
+    """A memfd of ``size_bytes`` mapped into this process, with a numpy-friendly buffer."""
+
+    def __init__(self, fd: int, size_bytes: int, mapping: mmap.mmap, hugepages: bool, prefault_s: float):
+        self.fd = fd
+        self.size_bytes = size_bytes
+        self.hugepages = hugepages
+        self.prefault_s = prefault_s
+        self._mapping: mmap.mmap | None = mapping
+
+    @classmethod
+    def create(cls, size_bytes: int, use_hugepages: bool = False, name: str = "pegaflow-pool") -> PoolRegion:
+        """Checks capacity, then allocates and pre-faults the whole region (logged with its duration)."""
+        if use_hugepages and size_bytes % HUGEPAGE_BYTES:
+            rounded = -(-size_bytes // HUGEPAGE_BYTES) * HUGEPAGE_BYTES
+            log.info("pool size %d rounded up to %d (a multiple of 2 MiB huge pages)", size_bytes, rounded)
+            size_bytes = rounded
+        check_capacity(size_bytes, use_hugepages)
+        flags = os.MFD_CLOEXEC
+        if use_hugepages:
+            flags |= os.MFD_HUGETLB | os.MFD_HUGE_2MB
+        fd = os.memfd_create(name, flags)
+        try:
+            os.ftruncate(fd, size_bytes)
+            start = time.perf_counter()
+            try:
+                os.posix_fallocate(fd, 0, size_bytes)
+            except OSError as exc:
+                raise PoolCapacityError(
+                    f"could not allocate a {format_size(size_bytes)} pool "
+                    f"({'huge pages' if use_hugepages else 'shared memory'}): {exc.strerror}. "
+                    "Lower --pool-size or free memory."
+                ) from exc
+            mapping = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            prefault_s = time.perf_counter() - start
+        except BaseException:
+            os.close(fd)
+            raise
+        log.info(
+            "pool: %s of %s allocated and pre-faulted in %.2f s",
+            format_size(size_bytes),
+            "2 MiB huge pages" if use_hugepages else "shared memory (4 KiB pages)",
+            prefault_s,
+        )
+        return cls(fd, size_bytes, mapping, use_hugepages, prefault_s)
+
+    @property
+    def buffer(self) -> mmap.mmap:
+        if self._mapping is None:
+            raise ValueError("pool region is closed")
+        return self._mapping
+
+    def close(self) -> None:
+        """Unmaps and closes the memfd. Pages are freed once every client has unmapped too."""
+        if self._mapping is not None:
+            try:
+                self._mapping.close()
+            except BufferError:
+                # A view (e.g. a test's numpy array) still exports the buffer: leave the mapping to the GC.
+                pass
+            self._mapping = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

@@ -1,0 +1,292 @@
+"""The gRPC Engine service: validates, applies the deadline, calls the KVEngine, maps errors to codes.
+
+Every handler runs under ``_handler``: the caller's deadline (or the server's
+default when a call arrives without one) is turned into an absolute engine
+deadline; engine errors become their status codes (NOT_FOUND with trailing
+metadata naming what was unknown); anything unexpected is logged and answered
+INTERNAL, so no request can take the server down. A call whose deadline passes
+while it is being served is undone (a lease released, a save aborted) and
+answered DEADLINE_EXCEEDED, so a client that gave up leaks nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import grpc
+
+from pegaflow.proto import pegaflow_pb2 as pb
+from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
+from pegaflow.server.config import ServerConfig
+from pegaflow.server.engine import KVEngine
+from pegaflow.server.errors import (
+    Closed,
+    DeadlineExceeded,
+    EngineError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
+from pegaflow.server.index.namespace import KvLayout
+from pegaflow.server.metrics.registry import ServerMetrics
+from pegaflow.server.rpc import validation as check
+
+log = logging.getLogger(__name__)
+
+NOT_FOUND_METADATA_KEY = "pegaflow-not-found"
+
+_CODES: list[tuple[type[EngineError], grpc.StatusCode]] = [
+    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (NotFound, grpc.StatusCode.NOT_FOUND),
+    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (Closed, grpc.StatusCode.UNAVAILABLE),
+]
+
+
+def _handler(fn):
+    method = fn.__name__
+
+    @functools.wraps(fn)
+    def wrapper(self: EngineServicer, request, context: grpc.ServicerContext):
+        start = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            remaining = context.time_remaining()
+            if remaining is None:
+                remaining = self._config.default_rpc_deadline_s
+            if remaining <= 0:
+                raise DeadlineExceeded("deadline already passed on arrival")
+            return fn(self, request, context, time.monotonic() + remaining)
+        except EngineError as exc:
+            code = grpc.StatusCode.UNKNOWN
+            for cls, status in _CODES:
+                if isinstance(exc, cls):
+                    code = status
+                    break
+            if isinstance(exc, NotFound):
+                context.set_trailing_metadata(((NOT_FOUND_METADATA_KEY, exc.kind),))
+            context.abort(code, str(exc))
+        except Exception as exc:
+            # (context.abort() above raises too, but from inside an except clause: it is not caught here.)
+            code = grpc.StatusCode.INTERNAL
+            log.exception("rpc %s failed", method)
+            context.abort(code, f"internal error in {method}: {type(exc).__name__}")
+        finally:
+            if self._metrics is not None:
+                self._metrics.observe_rpc(method, code.name, time.perf_counter() - start)
+
+    return wrapper
+
+
+def _locations(offsets: list[int], block_bytes: int) -> pb.BlockLocations:
+    # Every block is in DRAM today: the tiers column stays empty (= all TIER_DRAM).
+    return pb.BlockLocations(offsets=offsets, block_bytes=block_bytes)
+
+
+class EngineServicer(pb_grpc.EngineServicer):
+    def __init__(self, engine: KVEngine, fd_socket_path: str, metrics: ServerMetrics | None = None):
+        self._engine = engine
+        self._config: ServerConfig = engine.config
+        self._fd_socket_path = fd_socket_path
+        self._metrics = metrics
+
+    # -------------------------------------------------------------- sessions
+
+    @_handler
+    def OpenSession(self, request: pb.OpenSessionRequest, context, deadline: float) -> pb.OpenSessionResponse:
+        client_name = check.name(request.client_name, "client_name")
+        hostname = check.name(request.hostname, "hostname")
+        info = self._engine.open_session(client_name, request.pid, hostname, deadline=deadline)
+        cfg = self._config
+        return pb.OpenSessionResponse(
+            session_id=info.session_id,
+            heartbeat_interval_ms=int(info.heartbeat_interval_s * 1000),
+            ttl_ms=int(info.ttl_s * 1000),
+            pool=pb.PoolInfo(
+                epoch=info.epoch,
+                size_bytes=info.pool_size_bytes,
+                fd_socket_path=self._fd_socket_path,
+                hugepages=info.hugepages,
+            ),
+            server_version=info.server_version,
+            limits=pb.ServerLimits(
+                max_batch_blocks=cfg.max_batch_blocks,
+                max_hash_bytes=cfg.max_hash_bytes,
+                max_block_bytes=self._engine.allocator.max_block_bytes,
+                default_lease_ttl_ms=int(cfg.lease_ttl_s * 1000),
+                max_lease_ttl_ms=int(cfg.max_lease_ttl_s * 1000),
+                write_timeout_ms=int(cfg.write_timeout_s * 1000),
+            ),
+        )
+
+    @_handler
+    def Heartbeat(self, request: pb.HeartbeatRequest, context, deadline: float) -> pb.HeartbeatResponse:
+        epoch = self._engine.heartbeat(check.ident(request.session_id, "session_id"), deadline=deadline)
+        return pb.HeartbeatResponse(epoch=epoch)
+
+    @_handler
+    def CloseSession(
+        self, request: pb.CloseSessionRequest, context, deadline: float
+    ) -> pb.CloseSessionResponse:
+        self._engine.close_session(check.ident(request.session_id, "session_id"), deadline=deadline)
+        return pb.CloseSessionResponse()
+
+    # ------------------------------------------------------------- instances
+
+    @_handler
+    def RegisterInstance(self, request: pb.RegisterInstanceRequest, context, deadline: float):
+        session_id = check.ident(request.session_id, "session_id")
+        if not request.HasField("layout"):
+            raise InvalidArgument("layout is required")
+        layout = KvLayout.from_fields(request.layout)
+        info = self._engine.register_instance(
+            session_id, layout, check.name(request.instance_name, "instance_name"), deadline=deadline
+        )
+        return pb.RegisterInstanceResponse(
+            instance_id=info.instance_id, namespace_id=info.namespace_id, block_bytes=info.block_bytes
+        )
+
+    @_handler
+    def UnregisterInstance(self, request: pb.UnregisterInstanceRequest, context, deadline: float):
+        self._engine.unregister_instance(
+            check.ident(request.session_id, "session_id"),
+            check.ident(request.instance_id, "instance_id"),
+            deadline=deadline,
+        )
+        return pb.UnregisterInstanceResponse()
+
+    # ------------------------------------------------------------- load path
+
+    @_handler
+    def QueryPrefix(self, request: pb.QueryPrefixRequest, context, deadline: float) -> pb.QueryPrefixResponse:
+        session_id = check.ident(request.session_id, "session_id")
+        instance_id = check.ident(request.instance_id, "instance_id")
+        hashes = check.block_hashes(request.block_hashes, self._config)
+        ttl = check.lease_ttl_s(request.lease_ttl_ms, self._config)
+        result = self._engine.query_prefix(
+            session_id, instance_id, hashes, lease=request.lease, lease_ttl_s=ttl, deadline=deadline
+        )
+        if result.lease_id and time.monotonic() > deadline:
+            self._engine.release_lease(session_id, result.lease_id)
+            raise DeadlineExceeded("deadline passed while querying; the lease was released")
+        return pb.QueryPrefixResponse(
+            num_hits=result.num_hits,
+            lease_id=result.lease_id,
+            locations=_locations(result.offsets, result.block_bytes),
+            epoch=result.epoch,
+        )
+
+    @_handler
+    def LoadBlocks(self, request: pb.LoadBlocksRequest, context, deadline: float) -> pb.LoadBlocksResponse:
+        result = self._engine.load_blocks(
+            check.ident(request.session_id, "session_id"),
+            check.ident(request.instance_id, "instance_id"),
+            check.ident(request.lease_id, "lease_id"),
+            deadline=deadline,
+        )
+        return pb.LoadBlocksResponse(
+            locations=_locations(result.offsets, result.block_bytes), epoch=result.epoch
+        )
+
+    @_handler
+    def ReleaseLease(
+        self, request: pb.ReleaseLeaseRequest, context, deadline: float
+    ) -> pb.ReleaseLeaseResponse:
+        self._engine.release_lease(
+            check.ident(request.session_id, "session_id"),
+            check.ident(request.lease_id, "lease_id"),
+            loaded_bytes=request.loaded_bytes,
+            deadline=deadline,
+        )
+        return pb.ReleaseLeaseResponse()
+
+    # ------------------------------------------------------------- save path
+
+    @_handler
+    def AllocateBlocks(self, request: pb.AllocateBlocksRequest, context, deadline: float):
+        session_id = check.ident(request.session_id, "session_id")
+        instance_id = check.ident(request.instance_id, "instance_id")
+        hashes = check.block_hashes(request.block_hashes, self._config)
+        result = self._engine.allocate_blocks(session_id, instance_id, hashes, deadline=deadline)
+        if result.save_id and time.monotonic() > deadline:
+            self._engine.abort_blocks(session_id, result.save_id)
+            raise DeadlineExceeded("deadline passed while allocating; the granted blocks were freed")
+        return pb.AllocateBlocksResponse(
+            save_id=result.save_id,
+            statuses=result.statuses,
+            granted=_locations(result.offsets, result.block_bytes),
+            epoch=result.epoch,
+        )
+
+    @_handler
+    def SealBlocks(self, request: pb.SealBlocksRequest, context, deadline: float) -> pb.SealBlocksResponse:
+        hashes = check.block_hashes(request.block_hashes, self._config, allow_empty=True)
+        sealed = self._engine.seal_blocks(
+            check.ident(request.session_id, "session_id"),
+            check.ident(request.save_id, "save_id"),
+            hashes,
+            deadline=deadline,
+        )
+        return pb.SealBlocksResponse(sealed=sealed)
+
+    @_handler
+    def AbortBlocks(self, request: pb.AbortBlocksRequest, context, deadline: float) -> pb.AbortBlocksResponse:
+        freed = self._engine.abort_blocks(
+            check.ident(request.session_id, "session_id"),
+            check.ident(request.save_id, "save_id"),
+            deadline=deadline,
+        )
+        return pb.AbortBlocksResponse(freed=freed)
+
+    # ---------------------------------------------------------- introspection
+
+    @_handler
+    def GetStats(self, request: pb.GetStatsRequest, context, deadline: float) -> pb.GetStatsResponse:
+        stats = self._engine.stats(deadline=deadline)
+        resp = pb.GetStatsResponse(
+            epoch=stats.epoch,
+            pool_capacity_bytes=stats.pool_capacity_bytes,
+            pool_used_bytes=stats.pool_used_bytes,
+            resident_blocks=stats.resident_blocks,
+            pinned_blocks=stats.pinned_blocks,
+            writing_blocks=stats.writing_blocks,
+            hits=stats.hits,
+            misses=stats.misses,
+            evictions=stats.evictions,
+            admission_rejections=stats.admission_rejections,
+            live_sessions=stats.live_sessions,
+            live_instances=stats.live_instances,
+            live_leases=stats.live_leases,
+            namespaces=[
+                pb.NamespaceStats(
+                    namespace_id=ns.namespace_id,
+                    model_id=ns.model_id,
+                    block_bytes=ns.block_bytes,
+                    resident_blocks=ns.resident_blocks,
+                    instances=ns.instances,
+                )
+                for ns in stats.namespaces
+            ],
+            save_bytes=self._engine.counters.save_bytes,
+            load_bytes=self._engine.counters.load_bytes,
+            open_saves=stats.open_saves,
+            slab_bytes=stats.slab_bytes,
+            free_slabs=stats.free_slabs,
+            total_slabs=stats.total_slabs,
+            stranded_bytes=stats.stranded_bytes,
+            slab_moves=stats.slab_moves,
+        )
+        if self._metrics is not None:
+            measured, ceiling = self._metrics.window_rates()
+            for name, value in measured.items():
+                if value is not None:
+                    resp.measured_hit_rate[name] = value
+            for name, value in ceiling.items():
+                if value is not None:
+                    resp.hll_ceiling[name] = value
+        return resp

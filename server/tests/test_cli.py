@@ -1,0 +1,104 @@
+"""pegaflow-server's command line: strict sizes, refusals with clear messages, no dead flags."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pegaflow.server.config import GIB, MIB, TIB, parse_duration, parse_size, parse_windows
+from pegaflow.server.errors import PoolCapacityError
+from pegaflow.server.main import build_parser
+from pegaflow.server.pool.region import check_capacity, read_meminfo
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pegaflow.server.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        start_new_session=True,
+    )
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("512mb", 512 * MIB),
+        ("30gb", 30 * GIB),
+        ("1tb", TIB),
+        ("1.5GiB", 3 * GIB // 2),
+        ("4096b", 4096),
+        ("2 MB", 2 * MIB),
+    ],
+)
+def test_parse_size_accepts_the_documented_forms(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text", ["", "gb", "12xb", "-5gb", "0", "0gb", "1.5", "3e9", "ten gb", "1gb2", "0.1b", "4096"]
+)
+def test_parse_size_rejects_anything_else(text):
+    with pytest.raises(ValueError):
+        parse_size(text)
+
+
+def test_windows_and_durations():
+    assert parse_windows("15m,1h,24h") == {"15m": 900.0, "1h": 3600.0, "24h": 86400.0}
+    assert parse_duration("250ms") == 0.25
+    for bad in ("15", "1h,1h", "1x", "", "1h,,2h", "0m"):
+        with pytest.raises(ValueError):
+            parse_windows(bad)
+
+
+def test_help_documents_every_flag_and_no_tier_flags_exist():
+    help_text = build_parser().format_help()
+    for flag in (
+        "--addr",
+        "--pool-size",
+        "--use-hugepages",
+        "--http-addr",
+        "--enable-lfu-admission",
+        "--metric-hll-windows",
+        "--log-level",
+    ):
+        assert flag in help_text
+    for dead in ("--ssd-cache-path", "--ssd-cache-capacity", "--nics", "--metaserver-addr"):
+        assert dead not in help_text
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--pool-size", "64mb", dead, "x"])
+
+
+def test_cli_rejects_malformed_sizes():
+    proc = run_cli("--pool-size", "12xb")
+    assert proc.returncode == 2
+    assert "unknown unit" in proc.stderr
+
+
+def test_cli_refuses_a_pool_this_machine_cannot_back():
+    available = read_meminfo()["MemAvailable"]
+    too_big = f"{(available >> 30) + 64}gb"
+    proc = run_cli("--pool-size", too_big, "--addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0")
+    assert proc.returncode == 2, proc.stderr
+    assert "cannot be backed by this machine" in proc.stderr and "MemAvailable" in proc.stderr
+    assert proc.stdout == ""  # never reported ready
+
+
+def test_cli_refuses_hugepages_without_a_reservation():
+    if read_meminfo().get("HugePages_Total", 0):
+        pytest.skip("this machine has huge pages reserved")
+    proc = run_cli(
+        "--pool-size", "64mb", "--use-hugepages", "--addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "no huge pages are reserved" in proc.stderr and "nr_hugepages" in proc.stderr
+
+
+def test_capacity_check_with_hugepages_reserved_but_too_few():
+    meminfo = {"HugePages_Total": 16, "HugePages_Free": 16, "HugePages_Rsvd": 4, "Hugepagesize": 2 * MIB}
+    check_capacity(24 * MIB, use_hugepages=True, meminfo=meminfo)
+    with pytest.raises(PoolCapacityError, match="does not fit in the free huge pages"):
+        check_capacity(26 * MIB, use_hugepages=True, meminfo=meminfo)

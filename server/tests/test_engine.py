@@ -1,0 +1,267 @@
+"""KVEngine in-process (real memfd pool, real policy): visibility, dedup, leases, eviction, reclaim."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from pegaflow.server.config import MIB, ServerConfig
+from pegaflow.server.engine import AllocStatus, KVEngine
+from pegaflow.server.errors import DeadlineExceeded, InvalidArgument, NotFound
+from pegaflow.server.index.namespace import KvLayout
+
+BLOCK = 256 * 1024
+
+
+def layout(**kw) -> KvLayout:
+    base = dict(model_id="m", block_bytes=BLOCK, dtype="bf16", tp_size=1, tp_rank=0)
+    base.update(kw)
+    return KvLayout(**base)
+
+
+@pytest.fixture
+def engine():
+    eng = KVEngine(ServerConfig(pool_size_bytes=32 * MIB, http_addr=None, slab_bytes=4 * MIB))
+    yield eng
+    eng.close()
+
+
+def hashes(n: int, tag: str = "h") -> list[bytes]:
+    return [f"{tag}-{i}".encode() for i in range(n)]
+
+
+def save(eng: KVEngine, sid: str, iid: str, hs: list[bytes], fill: int | None = None) -> list[int]:
+    res = eng.allocate_blocks(sid, iid, hs)
+    view = eng.pool_view()
+    for i, loc in enumerate(res.locations):
+        if loc is not None:
+            view[loc.offset : loc.offset + loc.length] = (fill if fill is not None else i) % 251
+    if res.save_id:
+        eng.seal_blocks(sid, res.save_id)
+    return [s for s in res.statuses]
+
+
+def test_unsealed_blocks_are_invisible_and_sealed_ones_are_hits(engine):
+    sid = engine.open_session("t").session_id
+    iid = engine.register_instance(sid, layout()).instance_id
+    res = engine.allocate_blocks(sid, iid, hashes(4))
+    assert res.statuses == [AllocStatus.GRANTED] * 4
+    assert engine.query_prefix(sid, iid, hashes(4)).num_hits == 0
+    assert engine.seal_blocks(sid, res.save_id, hashes(4)[:2]) == 2
+    assert engine.query_prefix(sid, iid, hashes(4)).num_hits == 2
+    engine.seal_blocks(sid, res.save_id)
+    hit = engine.query_prefix(sid, iid, hashes(4) + [b"absent"] + hashes(1))
+    assert hit.num_hits == 4 and hit.lease_id == ""
+
+
+def test_duplicate_saves_dedupe(engine):
+    sid = engine.open_session("t").session_id
+    iid = engine.register_instance(sid, layout()).instance_id
+    first = engine.allocate_blocks(sid, iid, hashes(3))
+    second = engine.allocate_blocks(sid, iid, hashes(3) + [b"new", b"new"])
+    assert second.statuses == [AllocStatus.IN_PROGRESS] * 3 + [AllocStatus.GRANTED, AllocStatus.IN_PROGRESS]
+    engine.seal_blocks(sid, first.save_id)
+    third = engine.allocate_blocks(sid, iid, hashes(3))
+    assert third.statuses == [AllocStatus.EXISTS] * 3 and third.save_id == ""
+
+
+def test_abort_frees_everything_and_leaves_nothing_visible(engine):
+    sid = engine.open_session("t").session_id
+    iid = engine.register_instance(sid, layout()).instance_id
+    res = engine.allocate_blocks(sid, iid, hashes(20))
+    assert engine.stats().pool_used_bytes == 20 * BLOCK
+    assert engine.abort_blocks(sid, res.save_id) == 20
+    stats = engine.stats()
+    assert stats.pool_used_bytes == 0 and stats.writing_blocks == 0 and stats.free_slabs == stats.total_slabs
+    assert engine.query_prefix(sid, iid, hashes(20)).num_hits == 0
+    with pytest.raises(NotFound):
+        engine.seal_blocks(sid, res.save_id)
+
+
+def test_namespaces_isolate_and_mla_shares_across_ranks(engine):
+    sid = engine.open_session("t").session_id
+    rank0 = engine.register_instance(sid, layout(tp_size=2, tp_rank=0))
+    rank1 = engine.register_instance(sid, layout(tp_size=2, tp_rank=1))
+    other_model = engine.register_instance(sid, layout(tp_size=2, tp_rank=0, model_id="other"))
+    same_as_rank0 = engine.register_instance(sid, layout(tp_size=2, tp_rank=0))
+    assert rank0.namespace_id != rank1.namespace_id != other_model.namespace_id
+    assert same_as_rank0.namespace_id == rank0.namespace_id
+    save(engine, sid, rank0.instance_id, hashes(5))
+    assert engine.query_prefix(sid, same_as_rank0.instance_id, hashes(5)).num_hits == 5
+    assert engine.query_prefix(sid, rank1.instance_id, hashes(5)).num_hits == 0
+    assert engine.query_prefix(sid, other_model.instance_id, hashes(5)).num_hits == 0
+
+    mla0 = engine.register_instance(sid, layout(tp_size=2, tp_rank=0, mla=True))
+    mla1 = engine.register_instance(sid, layout(tp_size=2, tp_rank=1, mla=True))
+    assert mla0.namespace_id == mla1.namespace_id
+    save(engine, sid, mla0.instance_id, hashes(5, "mla"))
+    assert engine.query_prefix(sid, mla1.instance_id, hashes(5, "mla")).num_hits == 5
+    statuses = engine.allocate_blocks(sid, mla1.instance_id, hashes(5, "mla")).statuses
+    assert statuses == [AllocStatus.EXISTS] * 5  # stored once for both ranks
+
+
+def test_eviction_under_pressure_never_touches_leased_blocks(engine):
+    sid = engine.open_session("t").session_id
+    iid = engine.register_instance(sid, layout()).instance_id
+    capacity_blocks = engine.allocator.total_slabs * (engine.allocator.slab_bytes // BLOCK)
+    save(engine, sid, iid, hashes(16, "pinned"), fill=7)
+    hit = engine.query_prefix(sid, iid, hashes(16, "pinned"), lease=True)
+    assert hit.num_hits == 16 and hit.lease_id
+    for round_ in range(4):  # write 4x the pool through it
+        save(engine, sid, iid, hashes(capacity_blocks, f"churn{round_}"))
+    stats = engine.stats()
+    assert stats.evictions > 0 and stats.pinned_blocks == 16
+    assert engine.query_prefix(sid, iid, hashes(16, "pinned")).num_hits == 16
+    view = engine.pool_view()
+    for loc in hit.locations:
+        assert np.all(view[loc.offset : loc.offset + loc.length] == 7)
+    engine.release_lease(sid, hit.lease_id)
+    save(engine, sid, iid, hashes(capacity_blocks, "final"))
+    assert engine.query_prefix(sid, iid, hashes(16, "pinned")).num_hits == 0
+
+
+def test_pool_full_of_pinned_blocks_answers_no_space(engine):
+    sid = engine.open_session("t").session_id
+    iid = engine.register_instance(sid, layout()).instance_id
+    capacity_blocks = engine.allocator.total_slabs * (engine.allocator.slab_bytes // BLOCK)
+    save(engine, sid, iid, hashes(capacity_blocks))
+    engine.query_prefix(sid, iid, hashes(capacity_blocks), lease=True)
+    res = engine.allocate_blocks(sid, iid, hashes(3, "more"))
+    assert res.statuses == [AllocStatus.NO_SPACE] * 3 and res.save_id == ""
+
+
+def test_one_size_cannot_starve_another(engine):
+    sid = engine.open_session("t").session_id
+    small = engine.register_instance(sid, layout(block_bytes=256 * 1024)).instance_id
+    big_ns = engine.register_instance(sid, layout(block_bytes=2 * MIB, model_id="big"))
+    total_small = engine.allocator.total_slabs * 16
+    save(engine, sid, small, hashes(total_small, "s"))  # fills the whole pool with 256 KiB slabs
+    assert engine.stats().free_slabs == 0
+    statuses = save(engine, sid, big_ns.instance_id, hashes(8, "b"))
+    assert statuses == [AllocStatus.GRANTED] * 8
+    assert engine.query_prefix(sid, big_ns.instance_id, hashes(8, "b")).num_hits == 8
+    stats = engine.stats()
+    by_ns = {ns.namespace_id: ns.resident_blocks for ns in stats.namespaces}
+    assert by_ns[big_ns.namespace_id] == 8
+    assert stats.pool_used_bytes == stats.pool_capacity_bytes  # 8 x 2 MiB took exactly 64 small blocks' room
+    # and back: the small size gets room again once big blocks are the coldest
+    statuses = save(engine, sid, small, hashes(total_small, "s2"))
+    assert statuses == [AllocStatus.GRANTED] * total_small
+
+
+def test_slab_moves_when_the_coldest_blocks_are_spread_over_slabs(engine):
+    sid = engine.open_session("t").session_id
+    small = engine.register_instance(sid, layout(block_bytes=256 * 1024)).instance_id
+    big = engine.register_instance(sid, layout(block_bytes=2 * MIB, model_id="big")).instance_id
+    hs = hashes(engine.allocator.total_slabs * 16, "s")  # slab k holds hs[16k : 16k+16]
+    save(engine, sid, small, hs)
+    for i, h in enumerate(hs):
+        if i % 16 >= 2:
+            engine.query_prefix(sid, small, [h])  # a hit: recently used
+    # The 16 coldest blocks are 2 in every slab: evicting them frees no slab, so a whole slab must move.
+    assert save(engine, sid, big, hashes(1, "b")) == [AllocStatus.GRANTED]
+    stats = engine.stats()
+    assert stats.slab_moves == 1
+    assert stats.evictions == 16 + 14  # the 16 coldest, then the 14 left in the slab that moved
+    assert (
+        stats.stranded_bytes == 7 * 2 * 256 * 1024 + 2 * MIB
+    )  # 2 free slots in 7 small slabs + 1 in the big slab
+
+
+def test_session_end_reclaims_leases_and_unsealed_blocks_but_keeps_sealed(engine):
+    a = engine.open_session("a").session_id
+    b = engine.open_session("b").session_id
+    iid = engine.register_instance(b, layout()).instance_id
+    save(engine, a, iid, hashes(4, "sealed"))
+    engine.query_prefix(a, iid, hashes(4, "sealed"), lease=True)
+    engine.allocate_blocks(a, iid, hashes(6, "half"))
+    assert engine.stats().pinned_blocks == 4 and engine.stats().writing_blocks == 6
+    engine.close_session(a)
+    stats = engine.stats()
+    assert stats.pinned_blocks == 0 and stats.writing_blocks == 0 and stats.live_leases == 0
+    assert stats.pool_used_bytes == 4 * BLOCK
+    assert engine.query_prefix(b, iid, hashes(4, "sealed")).num_hits == 4
+    with pytest.raises(NotFound) as info:
+        engine.query_prefix(a, iid, hashes(1))
+    assert info.value.kind == "session"
+
+
+def test_silent_session_expires_and_lease_and_write_timeouts_apply():
+    eng = KVEngine(
+        ServerConfig(
+            pool_size_bytes=16 * MIB,
+            http_addr=None,
+            session_ttl_s=5.0,
+            write_timeout_s=10.0,
+            reaper_interval_s=3600,
+        )
+    )
+    try:
+        keep = eng.open_session("keep", expires=False).session_id
+        quiet = eng.open_session("quiet").session_id
+        iid = eng.register_instance(keep, layout()).instance_id
+        save(eng, keep, iid, hashes(2))
+        lease = eng.query_prefix(keep, iid, hashes(2), lease=True, lease_ttl_s=1.0).lease_id
+        pending = eng.allocate_blocks(keep, iid, hashes(3, "w")).save_id
+        eng.query_prefix(quiet, iid, hashes(2), lease=True)
+        now = time.monotonic()
+        eng.reap(now + 2.0)  # lease ttl passed
+        with pytest.raises(NotFound):
+            eng.release_lease(keep, lease)
+        assert eng.stats().live_sessions == 2
+        eng.reap(now + 6.0)  # quiet session silent past its ttl; keep does not expire
+        assert eng.stats().live_sessions == 1 and eng.stats().pinned_blocks == 0
+        eng.reap(now + 11.0)  # write timeout
+        with pytest.raises(NotFound):
+            eng.seal_blocks(keep, pending)
+        assert eng.stats().writing_blocks == 0
+        assert eng.counters.expired_leases == 1 and eng.counters.timed_out_saves == 1
+    finally:
+        eng.close()
+
+
+def test_bad_inputs_raise_typed_errors(engine):
+    sid = engine.open_session("t").session_id
+    iid = engine.register_instance(sid, layout()).instance_id
+    with pytest.raises(InvalidArgument):
+        engine.register_instance(sid, layout(block_bytes=engine.allocator.max_block_bytes + 1))
+    with pytest.raises(InvalidArgument):
+        engine.register_instance(sid, layout(tp_size=2, tp_rank=2))
+    with pytest.raises(InvalidArgument):
+        engine.query_prefix(sid, iid, [b"x" * 65])
+    with pytest.raises(InvalidArgument):
+        engine.allocate_blocks(sid, iid, [b"x"] * (engine.config.max_batch_blocks + 1))
+    with pytest.raises(NotFound):
+        engine.query_prefix(sid, "i-unknown", [b"x"])
+    with pytest.raises(NotFound):
+        engine.release_lease(sid, "l-unknown")
+    res = engine.allocate_blocks(sid, iid, [b"a"])
+    with pytest.raises(InvalidArgument):
+        engine.seal_blocks(sid, res.save_id, [b"not-granted"])
+
+
+def test_calls_honour_their_deadline_when_the_engine_is_busy(engine):
+    sid = engine.open_session("t").session_id
+    iid = engine.register_instance(sid, layout()).instance_id
+    held = threading.Event()
+    release = threading.Event()
+
+    def hog():
+        with engine._lock:
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=hog)
+    t.start()
+    try:
+        held.wait(5)
+        # The lock is held until release is set: only honouring the deadline can end this call.
+        with pytest.raises(DeadlineExceeded):
+            engine.query_prefix(sid, iid, [b"x"], deadline=time.monotonic() + 0.2)
+        assert not release.is_set()
+    finally:
+        release.set()
+        t.join()

@@ -1,0 +1,91 @@
+"""Metrics of an in-process server: the HLL ceiling beside the measured hit rate, /health, own registries."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from pegaflow.client import KvLayout, PegaClient
+from pegaflow.server.config import MIB, ServerConfig
+from pegaflow.server.runtime import start_server
+
+
+@pytest.fixture
+def servers(tmp_path):
+    started = []
+    for k in range(2):  # two servers in one process: their registries must not clash
+        started.append(
+            start_server(
+                ServerConfig(
+                    pool_size_bytes=16 * MIB,
+                    addr="127.0.0.1:0",
+                    http_addr="127.0.0.1:0",
+                    fd_socket_path=str(tmp_path / f"pool{k}.sock"),
+                )
+            )
+        )
+    yield started
+    for srv in started:
+        srv.stop()
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def series(text: str, name: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+def test_hll_ceiling_and_measured_hit_rate_per_window(servers):
+    srv = servers[0]
+    with PegaClient(srv.address, timeout_s=10.0) as c:
+        inst = c.register_instance(KvLayout(model_id="m", block_bytes=4096))
+        stored = [f"s-{i}".encode() for i in range(100)]
+        c.seal(c.allocate(inst, stored).save_id)
+        # 1000 distinct blocks, each requested 4 times: N = 4000, U = 1000, ceiling 0.75.
+        for _ in range(4):
+            for start in range(0, 900, 100):
+                c.query_prefix(inst, [f"u-{i}".encode() for i in range(start, start + 100)])
+            c.query_prefix(inst, stored)
+        stats = c.stats()
+    assert set(stats.hll_ceiling) == {"15m", "1h", "24h"}
+    for window in ("15m", "1h", "24h"):
+        assert stats.hll_ceiling[window] == pytest.approx(0.75, abs=0.02)
+        assert stats.measured_hit_rate[window] == pytest.approx(400 / 4000)
+    status, text = get(f"http://{srv.http_address}/metrics")
+    assert status == 200
+    ceiling = series(text, "pegaflow_hll_estimated_hit_rate")
+    measured = series(text, "pegaflow_measured_hit_rate")
+    assert set(ceiling) == {f'pegaflow_hll_estimated_hit_rate{{window="{w}"}}' for w in ("15m", "1h", "24h")}
+    assert all(v == pytest.approx(0.75, abs=0.02) for v in ceiling.values())
+    assert all(v == pytest.approx(0.1) for v in measured.values())
+    assert series(text, "pegaflow_block_hits_total") == {'pegaflow_block_hits_total{tier="dram"}': 400.0}
+    assert series(text, "pegaflow_block_misses_total") == {'pegaflow_block_misses_total{tier="dram"}': 3600.0}
+
+
+def test_health_and_unknown_paths_and_separate_registries(servers):
+    a, b = servers
+    status, body = get(f"http://{a.http_address}/health")
+    assert status == 200 and json.loads(body)["epoch"] == a.epoch
+    assert get(f"http://{a.http_address}/nope")[0] == 404
+    with PegaClient(a.address, timeout_s=10.0) as c:
+        c.register_instance(KvLayout(model_id="m", block_bytes=4096))
+        _, text_a = get(f"http://{a.http_address}/metrics")
+        _, text_b = get(f"http://{b.http_address}/metrics")
+    assert series(text_a, "pegaflow_live_instances") == {"pegaflow_live_instances": 1.0}
+    assert series(text_b, "pegaflow_live_instances") == {"pegaflow_live_instances": 0.0}
+    a.stop()
+    assert get(f"http://{b.http_address}/health")[0] == 200

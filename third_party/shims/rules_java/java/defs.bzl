@@ -1,0 +1,34 @@
+"""@rules_java//java:defs.bzl for Bazel 4.2.3: each macro forwards to the native rule.
+
+Starlark in Bazel 4 has no closures, so every forwarder is spelled out.
+"""
+
+def java_binary(**attrs):
+    native.java_binary(**attrs)
+
+def java_import(**attrs):
+    native.java_import(**attrs)
+
+def java_library(**attrs):
+    native.java_library(**attrs)
+
+def java_lite_proto_library(**attrs):
+    native.java_lite_proto_library(**attrs)
+
+def java_package_configuration(**attrs):
+    native.java_package_configuration(**attrs)
+
+def java_plugin(**attrs):
+    native.java_plugin(**attrs)
+
+def java_proto_library(**attrs):
+    native.java_proto_library(**attrs)
+
+def java_runtime(**attrs):
+    native.java_runtime(**attrs)
+
+def java_test(**attrs):
+    native.java_test(**attrs)
+
+def java_toolchain(**attrs):
+    native.java_toolchain(**attrs)

@@ -1,0 +1,84 @@
+"""Tests under Bazel: one py_test per pytest file, found by glob, and modules run as tests.
+
+Each folder's BUILD.bazel calls `pytest_tests()` once; adding a test file needs
+no BUILD edit. Files named `test_e2e_*.py` (real vLLM, many processes) run one
+at a time (tag "exclusive") with a long timeout. Every test runs through
+tools/python/test_main.py, which gives it pip's import semantics, a short
+private TMPDIR/TEST_TMPDIR and a HOME of its own.
+"""
+
+_MAIN = "//tools/python:test_main.py"
+
+# Bazel's per-file timeouts are ceilings only: pytest-timeout (pyproject.toml)
+# stops a hung test much earlier and names it.
+_TIMEOUT = "long"  # 900 s
+_HEAVY_TIMEOUT = "eternal"  # 3600 s
+
+def _target_name(src):
+    # "tests/test_engine.py" -> "test_engine"; "pool/tests/test_region.py" -> "pool_test_region"
+    parts = src[:-len(".py")].split("/")
+    return "_".join([p for p in parts if p != "tests"])
+
+def pytest_test(name, src, deps = [], data = [], tags = [], timeout = None, args = [], **kwargs):
+    """One pytest file as a py_test."""
+    heavy = src.split("/")[-1].startswith("test_e2e_")
+    native.py_test(
+        name = name,
+        srcs = [src, _MAIN],
+        main = _MAIN,
+        args = ["--pytest", "$(location %s)" % src] + args,
+        data = data + ["//:pyproject.toml"],
+        deps = deps + ["//:pegaflow"],
+        python_version = "PY3",
+        srcs_version = "PY3",
+        tags = tags + (["exclusive"] if heavy else []),
+        timeout = timeout or (_HEAVY_TIMEOUT if heavy else _TIMEOUT),
+        **kwargs
+    )
+
+def py_module_test(name, module, heavy = False, deps = [], tags = [], timeout = None, args = [], **kwargs):
+    """`python -m <module> args...` as a py_test: it passes when the module exits 0.
+
+    heavy: runs alone (tag "exclusive") with the long timeout, like test_e2e_* files.
+    """
+    native.py_test(
+        name = name,
+        srcs = [_MAIN],
+        main = _MAIN,
+        args = ["--module", module] + args,
+        deps = deps + ["//:pegaflow"],
+        python_version = "PY3",
+        srcs_version = "PY3",
+        tags = tags + (["exclusive"] if heavy else []),
+        timeout = timeout or (_HEAVY_TIMEOUT if heavy else _TIMEOUT),
+        **kwargs
+    )
+
+def pytest_tests(deps = [], data = []):
+    """A py_test for every **/tests/test_*.py of this package.
+
+    Helpers next to the tests (conftest.py and any other non-test module or file
+    under a tests/ folder) go into every test's runfiles.
+    """
+    test_files = native.glob(["**/tests/test_*.py"])
+    support = native.glob(
+        ["**/tests/**"],
+        exclude = test_files + ["**/__pycache__/**", "**/*.pyc"],
+    )
+    support_py = [f for f in support if f.endswith(".py")]
+    support_data = [f for f in support if not f.endswith(".py")]
+    if support_py:
+        native.py_library(
+            name = "test_support",
+            srcs = support_py,
+            data = support_data,
+            testonly = True,
+            deps = ["//:package_init"],
+        )
+    for src in test_files:
+        pytest_test(
+            name = _target_name(src),
+            src = src,
+            deps = deps + ([":test_support"] if support_py else []),
+            data = data + ([] if support_py else support_data),
+        )
