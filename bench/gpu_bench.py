@@ -123,6 +123,13 @@ def worker_main(spec: dict) -> None:
             lambda: client.register_device_memory(inst, export_torch_kv(tensors, dims, nb))
         )
         result["register_s"] = t_reg
+        result["transport"] = "doorbell" if handle.doorbell is not None else "grpc"
+        if spec.get("transport") == "grpc":  # measure the plain RPCs (the client falls back to them)
+            handle.doorbell = None
+            result["transport"] = "grpc"
+        if spec.get("wait_for"):  # ranks take turns: each measures the link alone
+            _wait_for(spec["wait_for"])
+        result["rpc_baseline_ms"] = rpc_baseline(client, inst, blocks)
         nbytes = blocks * shape.block_bytes
         result["ceiling"] = pinned_ceiling(torch, nbytes)
         rng = np.random.default_rng(spec["seed"])
@@ -150,7 +157,6 @@ def worker_main(spec: dict) -> None:
                     )
                     result["pool_bytes_verified"] = bool(np.array_equal(got, want))
             else:  # a reader rank of an MLA group: the writer stored these blocks already
-                _wait_for(spec["writer_done"])
                 out = client.save_from_device(handle, hashes, ids)
                 result.setdefault("dedup_written", 0)
                 result["dedup_written"] += out.written
@@ -165,8 +171,6 @@ def worker_main(spec: dict) -> None:
             if run:
                 loads.append(t4 - t3)
                 verified.append(ok)
-        if spec["role"] == "writer":
-            pathlib.Path(spec["writer_done"]).write_text("done")
         result.update(
             nbytes=nbytes,
             runs=runs,
@@ -177,9 +181,21 @@ def worker_main(spec: dict) -> None:
             stats=_stats(client),
         )
         result["ceiling_after"] = pinned_ceiling(torch, nbytes)
+        if spec.get("done_file"):
+            pathlib.Path(spec["done_file"]).write_text("done")
     finally:
         client.close()
     pathlib.Path(spec["result"]).write_text(json.dumps(result))
+
+
+def rpc_baseline(client, inst, blocks: int, reps: int = 20) -> dict:
+    """Median round trips of calls that move no bytes: what any RPC costs here (ms)."""
+    unknown = [f"baseline-miss-{i}".encode() for i in range(blocks)]
+    out = {}
+    for name, call in (("stats", client.stats), ("query_miss", lambda: client.query_prefix(inst, unknown))):
+        call()
+        out[name] = round(statistics.median(_timed(call)[0] for _ in range(reps)) * 1e3, 3)
+    return out
 
 
 def _stats(client) -> dict:
@@ -198,14 +214,26 @@ def _wait_for(path: str, timeout_s: float = 300.0) -> None:
 # ------------------------------------------------------------------ orchestrator
 
 
+# Runs pegaflow-server's main() after optional diagnostics set-up (per-request GPU timings in its log,
+# a shorter GIL switch interval), so the server under test is the same code as `python -m ...main`.
+_SERVER_BOOT = (
+    "import logging, sys; timing, interval = sys.argv[1], float(sys.argv[2]); del sys.argv[1:3]\n"
+    "if interval > 0: sys.setswitchinterval(interval)\n"
+    "if timing == '1': logging.getLogger('pegaflow.server.gpu.timing').setLevel(logging.DEBUG)\n"
+    "from pegaflow.server.main import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
 class ServerProcess:
-    def __init__(self, pool_size: str, mode: str, log_path: pathlib.Path):
+    def __init__(self, pool_size: str, mode: str, log_path: pathlib.Path, timing=False, interval=0.0):
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [
                 sys.executable,
-                "-m",
-                "pegaflow.server.main",
+                "-c",
+                _SERVER_BOOT,
+                "1" if timing else "0",
+                str(interval),
                 "--pool-size",
                 pool_size,
                 "--addr",
@@ -261,7 +289,14 @@ def run_workers(specs: list[dict], timeout_s: float) -> list[dict]:
 
 def summarize(r: dict) -> dict:
     nbytes = r["nbytes"]
-    out = {"layout": r["layout"], "rank": r["rank"], "role": r["role"], "nbytes": nbytes}
+    out = {
+        "layout": r["layout"],
+        "rank": r["rank"],
+        "role": r["role"],
+        "transport": r["transport"],
+        "nbytes": nbytes,
+        "rpc_baseline_ms": r["rpc_baseline_ms"],
+    }
     ceil_h2d = min(r["ceiling"]["h2d_gbps"], r["ceiling_after"]["h2d_gbps"])
     ceil_d2h = min(r["ceiling"]["d2h_gbps"], r["ceiling_after"]["d2h_gbps"])
     out["ceiling_h2d_gbps"] = round(ceil_h2d, 2)
@@ -294,11 +329,20 @@ def orchestrate(args) -> dict:
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="gpu-bench-"))
     report: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "modes": {}}
     for mode in args.modes.split(","):
-        server = ServerProcess(args.pool_size, mode, out_dir / f"server-{mode}.log")
+        server = ServerProcess(
+            args.pool_size,
+            mode,
+            out_dir / f"server-{mode}.log",
+            args.server_timing,
+            args.server_switch_interval,
+        )
         try:
             rows, raw = [], []
             common = dict(addr=server.addr, blocks=args.blocks, runs=args.runs, num_blocks=args.num_blocks)
-            for i, layout in enumerate(("per_layer", "cross_layer")):
+            solos = [("per_layer", "default"), ("cross_layer", "default")]
+            if args.grpc_rows:
+                solos.append(("per_layer", "grpc"))
+            for i, (layout, transport) in enumerate(solos):
                 spec = dict(
                     common,
                     layout=layout,
@@ -307,14 +351,15 @@ def orchestrate(args) -> dict:
                     tp_size=1,
                     seed=i,
                     model_id="qwen3-8b",
-                    hash_prefix=f"{mode}-{layout}",
-                    result=str(tmp / f"{mode}-{layout}.json"),
+                    hash_prefix=f"{mode}-{layout}-{transport}",
+                    transport=transport,
+                    result=str(tmp / f"{mode}-{layout}-{transport}.json"),
                 )
                 res = run_workers([spec], args.timeout)[0]
                 raw.append(res)
                 rows.append(summarize(res))
                 print(mode, rows[-1], flush=True)
-            done = str(tmp / f"{mode}-mla-writer-done")
+            turns = [str(tmp / f"{mode}-mla-{r}-done") for r in range(args.tp)]
             specs = [
                 dict(
                     common,
@@ -325,7 +370,8 @@ def orchestrate(args) -> dict:
                     seed=7,
                     model_id="deepseek-v3",
                     hash_prefix=f"{mode}-mla",
-                    writer_done=done,
+                    wait_for=turns[r - 1] if r else "",
+                    done_file=turns[r],
                     result=str(tmp / f"{mode}-mla-{r}.json"),
                 )
                 for r in range(args.tp)
@@ -343,36 +389,69 @@ def orchestrate(args) -> dict:
 
 
 def plot(report: dict, path: pathlib.Path) -> None:
+    """Per scenario: the same-run ceiling, ours, and the anchor; save shows ours until sealed (the call
+    returns) and until a separate QueryPrefix has confirmed it (hatched)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     modes = list(report["modes"])
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    fig, axes = plt.subplots(2, 1, figsize=(13, 8.5), sharey=True)
     for ax, direction in zip(axes, ("save", "load"), strict=True):
-        labels, ours, ceil, anchor = [], [], [], []
+        labels, ours, confirmed, ceil, anchor = [], [], [], [], []
         for mode in modes:
             for row in report["modes"][mode]["rows"]:
                 if f"{direction}_gbps" not in row or (row["layout"] == "mla" and row["rank"] > 1):
                     continue
                 labels.append(
-                    f"{row['layout']}\n{mode}" + (f" r{row['rank']}" if row["layout"] == "mla" else "")
+                    f"{row['layout']}\n{mode}"
+                    + (f" r{row['rank']}" if row["layout"] == "mla" else "")
+                    + (" grpc" if row.get("transport") == "grpc" else "")
                 )
-                ours.append(row[f"{direction}_gbps"])
+                if direction == "save":
+                    ours.append(row["save_rpc_gbps"])
+                    confirmed.append(row["save_gbps"])
+                else:
+                    ours.append(row["load_gbps"])
                 ceil.append(row["ceiling_d2h_gbps" if direction == "save" else "ceiling_h2d_gbps"])
                 anchor.append(ANCHOR[row["layout"]][direction])
-        x = range(len(labels))
-        ax.bar([i - 0.27 for i in x], ceil, 0.27, label="pinned memcpy ceiling (same run)", color="#bbbbbb")
-        ax.bar(list(x), ours, 0.27, label="pegaflow (ours)", color="#1f77b4")
-        ax.bar([i + 0.27 for i in x], anchor, 0.27, label="anchor (PegaFlow 0.25.1)", color="#ff7f0e")
-        for i, (o, c) in enumerate(zip(ours, ceil, strict=True)):
-            ax.text(i, o + 0.5, f"{o / c:.0%}", ha="center", fontsize=8)
+        x = list(range(len(labels)))
+        w = 0.2 if confirmed else 0.27
+        ax.bar(
+            [i - w * 1.5 if confirmed else i - w for i in x],
+            ceil,
+            w,
+            label="pinned memcpy (same run)",
+            color="#bbbbbb",
+        )
+        what = "ours: call returns (sealed)" if confirmed else "ours: call returns (in GPU memory)"
+        pos = [i - w / 2 if confirmed else i for i in x]
+        ax.bar(pos, ours, w, label=what, color="#1f77b4")
+        for i, (o, c) in zip(pos, zip(ours, ceil, strict=True), strict=True):
+            ax.text(i, o + 0.5, f"{o / c:.0%}", ha="center", fontsize=7)
+        if confirmed:
+            ax.bar(
+                [i + w / 2 for i in x],
+                confirmed,
+                w,
+                label="ours: + QueryPrefix confirms visible",
+                color="#1f77b4",
+                alpha=0.45,
+                hatch="//",
+            )
+        ax.bar(
+            [i + w * 1.5 if confirmed else i + w for i in x],
+            anchor,
+            w,
+            label="anchor (PegaFlow 0.25.1)",
+            color="#ff7f0e",
+        )
         ax.axhline(0.93 * statistics.median(ceil), ls="--", lw=1, color="k", label="93% of the ceiling")
-        ax.set_xticks(list(x), labels, fontsize=7)
-        ax.set_title(f"{direction}: 256 scattered blocks, end to end (GB/s)")
+        ax.set_xticks(x, labels, fontsize=7)
+        ax.set_title(f"{direction}: 256 scattered blocks, end to end, H200 (GB/s)", fontsize=10)
         ax.set_ylabel("GB/s")
-    axes[0].legend(fontsize=7, loc="lower left")
+        ax.legend(fontsize=7, loc="lower right", ncol=3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -385,8 +464,19 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=256, help="blocks per save/load")
     ap.add_argument("--num-blocks", type=int, default=2048, help="GPU blocks per worker")
     ap.add_argument("--tp", type=int, default=4, help="emulated TP ranks sharing the MLA cache")
-    ap.add_argument("--pool-size", default="12gb")
+    ap.add_argument(
+        "--pool-size", default="24gb", help="big enough that no scenario evicts (about 16 GB used)"
+    )
     ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument(
+        "--grpc-rows", action="store_true", help="also run per_layer over plain gRPC (no doorbell)"
+    )
+    ap.add_argument(
+        "--server-timing", action="store_true", help="log per-request GPU phase timings in the server"
+    )
+    ap.add_argument(
+        "--server-switch-interval", type=float, default=0.0, help="sys.setswitchinterval in the server"
+    )
     ap.add_argument("--plot", metavar="JSON", help="only draw gpu_bench.png from a results file")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()

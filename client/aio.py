@@ -68,6 +68,7 @@ class AsyncPegaClient:
         self._wake: asyncio.Event | None = None
         self._closed = False
         self._worker: asyncio.Task | None = None
+        self._undo_tasks: set[asyncio.Task] = set()
         self.sessions_opened = 0
 
     # ------------------------------------------------------------- lifecycle
@@ -96,6 +97,8 @@ class AsyncPegaClient:
                 await self._worker
             except (asyncio.CancelledError, Exception):
                 pass
+        if self._undo_tasks:  # give pending releases / aborts their chance, within the timeout
+            await asyncio.wait(list(self._undo_tasks), timeout=timeout_s or self.timeout_s)
         conn, self._conn = self._conn, None
         if conn is not None:
             try:
@@ -188,8 +191,14 @@ class AsyncPegaClient:
             block_hashes=codec.check_hashes(hashes, self.limits),
             lease=lease,
             lease_ttl_ms=int(lease_ttl_s * 1000) if lease_ttl_s else 0,
+            lease_id=codec.new_id("l-") if lease else "",
         )
-        return codec.prefix_hit(await self._call("QueryPrefix", req, timeout_s))
+        try:
+            return codec.prefix_hit(await self._call("QueryPrefix", req, timeout_s))
+        except errors.DeadlineExceeded:
+            if lease:  # the server may still serve it late: release (or pre-empt) that lease
+                self._undo("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=req.lease_id))
+            raise
 
     async def load_blocks(
         self, inst: InstanceHandle, lease_id: str, timeout_s: float | None = None
@@ -206,9 +215,15 @@ class AsyncPegaClient:
         self, inst: InstanceHandle, hashes: Sequence[bytes], timeout_s: float | None = None
     ) -> SaveBatch:
         req = pb.AllocateBlocksRequest(
-            instance_id=self._instance_id(inst), block_hashes=codec.check_hashes(hashes, self.limits)
+            instance_id=self._instance_id(inst),
+            block_hashes=codec.check_hashes(hashes, self.limits),
+            save_id=codec.new_id("w-"),
         )
-        return codec.save_batch(await self._call("AllocateBlocks", req, timeout_s))
+        try:
+            return codec.save_batch(await self._call("AllocateBlocks", req, timeout_s))
+        except errors.DeadlineExceeded:
+            self._undo("AbortBlocks", pb.AbortBlocksRequest(save_id=req.save_id))
+            raise
 
     async def seal(
         self, save_id: str, hashes: Sequence[bytes] | None = None, timeout_s: float | None = None
@@ -258,6 +273,23 @@ class AsyncPegaClient:
         if codec.needs_reconnect(exc):
             await self._lost(conn, exc)
         raise exc
+
+    def _undo(self, method: str, request) -> None:
+        """Fire-and-forget: releases / aborts what a timed-out call may still be granted (by its id)."""
+        conn = self._conn
+        if conn is None:
+            return  # no session: whatever it held dies with it on the server
+        request.session_id = conn.session_id
+
+        async def send() -> None:
+            try:
+                await getattr(conn.stub, method)(request, timeout=self.timeout_s)
+            except (grpc.RpcError, ValueError, RuntimeError):
+                pass
+
+        task = asyncio.get_running_loop().create_task(send())
+        self._undo_tasks.add(task)  # keep a reference until it is done
+        task.add_done_callback(self._undo_tasks.discard)
 
     async def _lost(self, conn: _Connection, exc: Exception) -> None:
         if self._conn is not conn:

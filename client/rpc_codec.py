@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import secrets
 
 import grpc
 
@@ -38,6 +39,11 @@ _TRANSPORT_CODES = {
     grpc.StatusCode.UNKNOWN,
     grpc.StatusCode.UNIMPLEMENTED,
 }
+
+
+def new_id(prefix: str) -> str:
+    """A client-chosen lease / save id: unguessable, since ids are bearer capabilities."""
+    return prefix + secrets.token_hex(12)
 
 
 def layout_message(layout: KvLayout) -> pb.KvLayout:

@@ -32,6 +32,13 @@ from pegaflow.client.pool_map import PoolMapping
 from pegaflow.client.types import InstanceHandle, KvLayout, Location, PrefixHit, SaveBatch, ServerLimits
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
+from pegaflow.server.gpu import doorbell
+from pegaflow.server.gpu.registration import (
+    DeviceHandle,
+    DeviceRegistration,
+    DeviceSave,
+    registration_to_proto,
+)
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +80,7 @@ class PegaClient:
         self._establish_lock = threading.Lock()  # one (re)connect at a time
         self._conn: _Connection | None = None
         self._instances: list[InstanceHandle] = []
+        self._devices: list[DeviceHandle] = []  # GPU registrations, re-registered after a reconnect
         self._retired: list[PoolMapping] = []  # old mappings whose views are still alive
         self._wake = threading.Event()
         self._closed = False
@@ -225,8 +233,14 @@ class PegaClient:
             block_hashes=codec.check_hashes(hashes, self.limits),
             lease=lease,
             lease_ttl_ms=int(lease_ttl_s * 1000) if lease_ttl_s else 0,
+            lease_id=codec.new_id("l-") if lease else "",
         )
-        return codec.prefix_hit(self._call("QueryPrefix", req, timeout_s))
+        try:
+            return codec.prefix_hit(self._call("QueryPrefix", req, timeout_s))
+        except errors.DeadlineExceeded:
+            if lease:  # the server may still serve it late: release (or pre-empt) that lease
+                self._undo("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=req.lease_id))
+            raise
 
     def load_blocks(
         self, inst: InstanceHandle, lease_id: str, timeout_s: float | None = None
@@ -247,9 +261,15 @@ class PegaClient:
     ) -> SaveBatch:
         """Reserves pool space: write the GRANTED locations, then ``seal`` (or ``abort``)."""
         req = pb.AllocateBlocksRequest(
-            instance_id=self._instance_id(inst), block_hashes=codec.check_hashes(hashes, self.limits)
+            instance_id=self._instance_id(inst),
+            block_hashes=codec.check_hashes(hashes, self.limits),
+            save_id=codec.new_id("w-"),
         )
-        return codec.save_batch(self._call("AllocateBlocks", req, timeout_s))
+        try:
+            return codec.save_batch(self._call("AllocateBlocks", req, timeout_s))
+        except errors.DeadlineExceeded:
+            self._undo("AbortBlocks", pb.AbortBlocksRequest(save_id=req.save_id))
+            raise
 
     def seal(
         self, save_id: str, hashes: Sequence[bytes] | None = None, timeout_s: float | None = None
@@ -262,6 +282,101 @@ class PegaClient:
 
     def abort(self, save_id: str, timeout_s: float | None = None) -> int:
         return self._call("AbortBlocks", pb.AbortBlocksRequest(save_id=save_id), timeout_s).freed
+
+    # --------------------------------------------------------- GPU data path
+
+    def register_device_memory(
+        self, inst: InstanceHandle, registration: DeviceRegistration, timeout_s: float | None = None
+    ) -> DeviceHandle:
+        """Hands the server a GPU worker's KV tensors (CUDA IPC); re-registered after every reconnect.
+
+        Raises what the server answers (FAILED_PRECONDITION -> ServerError when it has no GPU data path,
+        InvalidArgument for a malformed layout) or ServerUnavailable (then nothing is kept: call again
+        once the client has reconnected).
+        """
+        handle = DeviceHandle(inst, registration)
+        conn = self._require()
+        self._register_device(conn, handle, time.monotonic() + (timeout_s or self.timeout_s))
+        with self._lock:
+            self._devices.append(handle)
+        return handle
+
+    def unregister_device_memory(self, handle: DeviceHandle, timeout_s: float | None = None) -> None:
+        with self._lock:
+            if handle in self._devices:
+                self._devices.remove(handle)
+        registration_id = handle.registration_id
+        handle._set("")
+        if registration_id:
+            req = pb.UnregisterDeviceMemoryRequest(registration_id=registration_id)
+            self._call("UnregisterDeviceMemory", req, timeout_s)
+
+    def save_from_device(
+        self,
+        handle: DeviceHandle,
+        hashes: Sequence[bytes],
+        block_ids: Sequence[int],
+        timeout_s: float | None = None,
+    ) -> DeviceSave:
+        """The server copies GPU blocks ``block_ids`` into the pool under ``hashes`` and seals them."""
+        hashes = codec.check_hashes(hashes, self.limits)
+        registration_id = self._device_id(handle)
+        if handle.doorbell is not None:  # the local fast path; None back means "use the RPC"
+            conn = self._require()
+            out = doorbell.ring(
+                handle.doorbell,
+                doorbell.OP_SAVE,
+                conn.session_id,
+                registration_id,
+                hashes,
+                block_ids,
+                timeout_s or self.timeout_s,
+            )
+            if out is not None:
+                return DeviceSave(out[1], out[0])
+        req = pb.SaveFromDeviceRequest(
+            registration_id=registration_id, block_hashes=hashes, block_ids=block_ids
+        )
+        resp = self._call("SaveFromDevice", req, timeout_s)
+        return DeviceSave(list(resp.statuses), resp.written)
+
+    def load_to_device(
+        self,
+        handle: DeviceHandle,
+        hashes: Sequence[bytes],
+        block_ids: Sequence[int],
+        timeout_s: float | None = None,
+    ) -> int:
+        """The server copies the leading stored blocks of ``hashes`` into ``block_ids``; returns how many."""
+        hashes = codec.check_hashes(hashes, self.limits)
+        registration_id = self._device_id(handle)
+        if handle.doorbell is not None:
+            conn = self._require()
+            out = doorbell.ring(
+                handle.doorbell,
+                doorbell.OP_LOAD,
+                conn.session_id,
+                registration_id,
+                hashes,
+                block_ids,
+                timeout_s or self.timeout_s,
+            )
+            if out is not None:
+                return out[0]
+        req = pb.LoadToDeviceRequest(
+            registration_id=registration_id, block_hashes=hashes, block_ids=block_ids
+        )
+        return self._call("LoadToDevice", req, timeout_s).num_hits
+
+    def _device_id(self, handle: DeviceHandle) -> str:
+        if not handle.registration_id:
+            raise errors.ServerUnavailable("GPU memory is not registered yet (server unreachable)")
+        return handle.registration_id
+
+    def _register_device(self, conn: _Connection, handle: DeviceHandle, deadline: float) -> None:
+        req = registration_to_proto(handle.registration, self._instance_id(handle.instance))
+        resp = self._call("RegisterDeviceMemory", req, max(deadline - time.monotonic(), 0.001), conn=conn)
+        handle._set(resp.registration_id, resp.doorbell_socket_path)
 
     # ---------------------------------------------------------- introspection
 
@@ -303,6 +418,17 @@ class PegaClient:
         if codec.needs_reconnect(exc):
             self._lost(conn, exc)
         raise exc
+
+    def _undo(self, method: str, request) -> None:
+        """Fire-and-forget: releases / aborts what a timed-out call may still be granted (by its id)."""
+        conn = self._conn
+        if conn is None:
+            return  # no session: whatever it held dies with it on the server
+        request.session_id = conn.session_id
+        try:
+            getattr(conn.stub, method).future(request, timeout=self.timeout_s)
+        except (grpc.RpcError, ValueError):
+            pass
 
     def _lost(self, conn: _Connection, exc: Exception) -> None:
         """Drops ``conn`` (if still current) and wakes the reconnect thread."""
@@ -380,6 +506,18 @@ class PegaClient:
                             handle.name,
                             exc,
                         )
+                with self._lock:
+                    devices = list(self._devices)
+                for device in devices:
+                    device._set("")
+                    if not device.instance.registered:
+                        continue
+                    try:
+                        self._register_device(conn, device, deadline)
+                    except errors.ServerUnavailable:
+                        raise
+                    except errors.PegaflowError as exc:
+                        log.error("pegaflow: %s rejects GPU memory on reconnect: %s", self.address, exc)
             except BaseException:
                 if conn is not None:
                     self._drop_connection(conn)

@@ -19,6 +19,13 @@ Every key is optional:
                          or name). Set it to share a cache between copies of one model at
                          different paths, or to separate weights replaced in place.
   namespace_salt         extra string mixed into the namespace (default "").
+  embedded_pool_size     run the cache inside this engine instead of reaching a server:
+                         TP rank 0's worker starts an in-process pegaflow server with a
+                         pool of this size ("2gb", "1073741824b"), pre-faulted before vLLM
+                         reports ready (see embedded.py). Excludes server_addr.
+  embedded_addr          gRPC address of the embedded server (default "127.0.0.1:0": a
+                         free port); set it to query the embedded engine's GetStats.
+  embedded_http_addr     /metrics and /health of the embedded server (default: none).
   honor_kv_load_failure_policy
                          false (default): the connector sets vLLM's kv_load_failure_policy
                          to "recompute", so a failed load is recomputed, never a failed
@@ -39,7 +46,7 @@ DEFAULT_PORT = 50055
 
 @dataclasses.dataclass(frozen=True)
 class ConnectorConfig:
-    server_addr: str
+    server_addr: str  # "" in embedded mode: the address is published by rank 0
     lookup_timeout_s: float = 0.2
     load_timeout_s: float = 0.5
     rpc_timeout_s: float = 2.0
@@ -48,6 +55,13 @@ class ConnectorConfig:
     model_id: str | None = None
     namespace_salt: str = ""
     honor_kv_load_failure_policy: bool = False
+    embedded_pool_size: int | None = None
+    embedded_addr: str = "127.0.0.1:0"
+    embedded_http_addr: str | None = None
+
+    @property
+    def embedded(self) -> bool:
+        return self.embedded_pool_size is not None
 
     @property
     def worst_step_stall_s(self) -> float:
@@ -71,6 +85,9 @@ _KNOWN_KEYS = frozenset(
         "model_id",
         "namespace_salt",
         "honor_kv_load_failure_policy",
+        "embedded_pool_size",
+        "embedded_addr",
+        "embedded_http_addr",
     }
 )
 
@@ -137,6 +154,27 @@ def _bool(key: str, value: Any) -> bool:
     raise ValueError(f"kv_connector_extra_config[{key!r}] must be true or false, got {value!r}")
 
 
+def _embedded(extra: Mapping[str, Any]) -> dict[str, Any]:
+    from pegaflow.server.config import parse_host_port, parse_size
+
+    out: dict[str, Any] = {}
+    value = extra["embedded_pool_size"]
+    try:
+        out["embedded_pool_size"] = parse_size(value) if isinstance(value, str) else int(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"kv_connector_extra_config['embedded_pool_size']: {exc}") from None
+    if out["embedded_pool_size"] <= 0:
+        raise ValueError("kv_connector_extra_config['embedded_pool_size'] must be positive")
+    for key in ("embedded_addr", "embedded_http_addr"):
+        if key in extra:
+            try:
+                parse_host_port(str(extra[key]))
+            except ValueError as exc:
+                raise ValueError(f"kv_connector_extra_config[{key!r}]: {exc}") from None
+            out[key] = str(extra[key])
+    return out
+
+
 def load_config(extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> ConnectorConfig:
     """Validate kv_connector_extra_config; unknown keys are an error (a typo would otherwise
     silently fall back to a default)."""
@@ -149,7 +187,16 @@ def load_config(extra: Mapping[str, Any] | None, env: Mapping[str, str] | None =
         )
     kwargs: dict[str, Any] = {}
     addr = extra.get("server_addr")
-    if addr is not None:
+    if "embedded_pool_size" in extra:
+        if addr is not None:
+            raise ValueError("kv_connector_extra_config: set server_addr or embedded_pool_size, not both")
+        kwargs.update(_embedded(extra))
+        kwargs["server_addr"] = ""
+    elif "embedded_addr" in extra or "embedded_http_addr" in extra:
+        raise ValueError(
+            "kv_connector_extra_config: embedded_addr / embedded_http_addr need embedded_pool_size"
+        )
+    elif addr is not None:
         if not isinstance(addr, str) or not _has_port(addr.split("://", 1)[-1]):
             raise ValueError(f"kv_connector_extra_config['server_addr'] must be 'host:port', got {addr!r}")
         kwargs["server_addr"] = addr.split("://", 1)[-1].rstrip("/")

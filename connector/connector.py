@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from pegaflow.connector.config import load_config
-from pegaflow.connector.metadata import PegaConnectorMetadata
+from pegaflow.connector.metadata import PegaConnectorMetadata, PegaHandshake
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -70,69 +70,54 @@ class PegaKVConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerConnector | None = None
         self._worker: WorkerConnector | None = None
         self._link = None
-        layouts = self._layouts(vllm_config, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
-            self._init_scheduler(vllm_config, layouts)
+            self._init_scheduler(vllm_config)
         else:
-            self._init_worker(vllm_config, kv_cache_config, layouts)
+            self._init_worker(vllm_config, kv_cache_config)
 
-    def _layouts(self, vllm_config: Any, kv_cache_config: Any) -> list | None:
-        from pegaflow.connector.namespace import UnsupportedLayout, build_layouts
-
-        try:
-            return build_layouts(vllm_config, kv_cache_config, self._cfg.model_id, self._cfg.namespace_salt)
-        except UnsupportedLayout as exc:
-            log.error(
-                "pegaflow: this engine's KV cache is not supported (%s); serving without the cache", exc
-            )
-            return None
-
-    def _init_scheduler(self, vllm_config: Any, layouts: list | None) -> None:
-        from pegaflow.connector.scheduler import SchedulerConnector, ServerPrefixLookup
-        from pegaflow.connector.server_link import ServerLink
+    def _init_scheduler(self, vllm_config: Any) -> None:
+        from pegaflow.connector.scheduler import SchedulerConnector
 
         transfer = self._kv_transfer_config
         if not self._cfg.honor_kv_load_failure_policy and transfer.kv_load_failure_policy != "recompute":
             # vLLM reads this right after building the scheduler connector: a load the cache
             # cannot complete must cost a recompute, not the request
             transfer.kv_load_failure_policy = "recompute"
-        lookup = None
-        if layouts is not None:
-            self._link = ServerLink(
-                self._cfg.server_addr,
-                layouts,
-                client_name="vllm-scheduler",
-                instance_name=_instance_name(transfer, "sched"),
-                rpc_timeout_s=self._cfg.rpc_timeout_s,
-                retry_interval_s=self._cfg.retry_interval_s,
-                probe_timeout_s=self._cfg.lookup_timeout_s,
-            )
-            self._link.start()
-            lookup = ServerPrefixLookup(self._link, self._cfg.lookup_timeout_s)
+            log.info("pegaflow: kv_load_failure_policy set to 'recompute': a failed load is recomputed")
+        # Lookups start when the workers report their layouts (set_xfer_handshake_metadata).
         self._scheduler = SchedulerConnector(
             block_size=vllm_config.cache_config.block_size,
-            lookup=lookup,
+            lookup=None,
             loads=transfer.is_kv_consumer,
-            saves=transfer.is_kv_producer and layouts is not None,
+            saves=transfer.is_kv_producer,
         )
         log.info(
             "pegaflow: scheduler connector for %s (lookup %.0f ms, load %.0f ms: "
             "a step stalls at most %.0f ms)",
-            self._cfg.server_addr,
+            self._cfg.server_addr or "the embedded server",
             self._cfg.lookup_timeout_s * 1e3,
             self._cfg.load_timeout_s * 1e3,
             self._cfg.worst_step_stall_s * 1e3,
         )
 
-    def _init_worker(self, vllm_config: Any, kv_cache_config: Any, layouts: list | None) -> None:
-        from pegaflow.connector.namespace import layout_for_rank
+    def _init_worker(self, vllm_config: Any, kv_cache_config: Any) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        from pegaflow.connector.namespace import UnsupportedLayout, build_layouts, layout_for_rank
         from pegaflow.connector.worker import WorkerConnector
 
-        layout = None
-        if layouts is not None:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-            layout = layout_for_rank(layouts, get_tensor_model_parallel_rank())
+        tp_rank = get_tensor_model_parallel_rank()
+        layout, reason = None, ""
+        try:
+            layouts = build_layouts(
+                vllm_config, kv_cache_config, self._cfg.model_id, self._cfg.namespace_salt
+            )
+            layout = layout_for_rank(layouts, tp_rank)
+        except UnsupportedLayout as exc:
+            reason = str(exc)
+            log.error(
+                "pegaflow: this engine's KV cache is not supported (%s); serving without the cache", exc
+            )
         group = kv_cache_config.kv_cache_groups[0] if kv_cache_config.kv_cache_groups else None
         self._worker = WorkerConnector(
             self._cfg,
@@ -140,7 +125,54 @@ class PegaKVConnector(KVConnectorBase_V1):
             num_blocks=kv_cache_config.num_blocks,
             layer_names=list(group.layer_names) if group is not None else [],
             instance_name=_instance_name(self._kv_transfer_config, "worker"),
+            tp_rank=tp_rank,
+            unsupported_reason=reason,
+            server_addr=_server_address(self._cfg, self._kv_transfer_config),
+            engine_id=self._kv_transfer_config.engine_id or "",
         )
+
+    # ------------------------------------------------------------ handshake
+    def get_handshake_metadata(self) -> PegaHandshake | None:
+        """Worker -> scheduler, once, after register_kv_caches (vLLM's EngineCore relays it)."""
+        if self._worker is None:
+            return None
+        if self._vllm_config.parallel_config.pipeline_parallel_size > 1:
+            return None  # unsupported (and vLLM's relay refuses pipeline ranks > 0)
+        return self._worker.handshake()
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        """The workers' layouts: the scheduler registers the same namespaces and starts lookups."""
+        from pegaflow.connector.scheduler import ServerPrefixLookup
+        from pegaflow.connector.server_link import ServerLink
+
+        if self._scheduler is None or self._link is not None:
+            return
+        shakes = [m for m in metadata.values() if isinstance(m, PegaHandshake)]
+        tp_size = self._vllm_config.parallel_config.tensor_parallel_size
+        if len(shakes) != tp_size or any(s.layout is None for s in shakes):
+            reasons = sorted({s.reason for s in shakes if s.layout is None and s.reason})
+            log.error(
+                "pegaflow: %d of %d workers registered a cache layout (%s); no lookups: serving without hits",
+                sum(s.layout is not None for s in shakes),
+                tp_size,
+                "; ".join(reasons) or "no layout reported",
+            )
+            return
+        layouts = [s.layout for s in sorted(shakes, key=lambda s: s.tp_rank)]
+        if layouts[0].mla:
+            layouts = layouts[:1]  # one shared namespace for the whole TP group
+        self._link = ServerLink(
+            _server_address(self._cfg, self._kv_transfer_config),
+            layouts,
+            client_name="vllm-scheduler",
+            instance_name=_instance_name(self._kv_transfer_config, "sched"),
+            rpc_timeout_s=self._cfg.rpc_timeout_s,
+            retry_interval_s=self._cfg.retry_interval_s,
+            probe_timeout_s=self._cfg.lookup_timeout_s,
+            map_pool=False,  # lookups only: the bytes move in the workers
+        )
+        self._link.start()
+        self._scheduler.set_lookup(ServerPrefixLookup(self._link, self._cfg.lookup_timeout_s))
 
     # vLLM asks: must a preempted request with a pending hand-off be recomputed? A cache
     # never hands off KV another engine waits for: a dropped save is a future miss.
@@ -219,6 +251,16 @@ class PegaKVConnector(KVConnectorBase_V1):
     def reset_cache(self) -> bool | None:
         # The cache is shared with other engines: one engine's reset must not clear it.
         return False
+
+
+def _server_address(cfg: Any, transfer: Any) -> Any:
+    """The server's address, or (embedded mode) a function returning it once rank 0 runs it."""
+    if not cfg.embedded:
+        return cfg.server_addr
+    from pegaflow.connector.embedded import published_address
+
+    engine_id = transfer.engine_id or ""
+    return lambda: published_address(engine_id)
 
 
 def _instance_name(transfer: Any, role: str) -> str:

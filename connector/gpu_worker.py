@@ -88,7 +88,10 @@ class GpuKvTransfer:
     # -------------------------------------------------------------- transfer threads
 
     def register(self, client: Any, inst: Any, timeout_s: float) -> Any:
-        """RegisterDeviceMemory for instance ``inst``; returns the handle saves and loads use."""
+        """RegisterDeviceMemory for instance ``inst``; returns the handle saves and loads use.
+
+        The client re-registers the handle by itself after every reconnect (a new server epoch).
+        """
         return client.register_device_memory(inst, self.registration, timeout_s=timeout_s)
 
     def save(

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+)
+
+from pegaflow.connector.namespace import KvLayoutSpec
 
 
 @dataclasses.dataclass
@@ -51,3 +56,15 @@ class PegaConnectorMetadata(KVConnectorMetadata):
             or self.preempted_req_ids
             or self.delayed_free_req_ids
         )
+
+
+@dataclasses.dataclass
+class PegaHandshake(KVConnectorHandshakeMetadata):
+    """What each worker tells the scheduler once its KV tensors are registered (vLLM's
+    handshake channel, worker -> EngineCore): the namespace layout it actually stores
+    under, so the scheduler looks up exactly what the workers save and load. None when
+    this worker runs without the cache (then the scheduler claims no hits)."""
+
+    tp_rank: int
+    layout: KvLayoutSpec | None
+    reason: str = ""

@@ -54,15 +54,20 @@ class SchedulerConnector:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self._lookup = lookup
-        self._loads = loads and lookup is not None
+        self._loads = loads
         self._saves = saves
         self._lookups: dict[str, _Lookup] = {}
         self._reqs: dict[str, _RequestState] = {}
         self._delayed_free: list[str] = []
+        self._finish_saves: list[BlockTransfer] = []  # saves of requests that just finished
         # counters for logs and tests
         self.lookups = 0
         self.hit_blocks = 0
         self.saved_blocks = 0
+
+    def set_lookup(self, lookup: PrefixLookup) -> None:
+        """Start looking up (the workers reported the namespaces they store under)."""
+        self._lookup = lookup
 
     # ----------------------------------------------------------- admission
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -71,7 +76,7 @@ class SchedulerConnector:
         update_state_after_alloc."""
         bs = self.block_size
         local_blocks = num_computed_tokens // bs
-        if not self._loads:
+        if not self._loads or self._lookup is None:
             self._lookups[request.request_id] = _Lookup(local_blocks, None)
             return 0, False
         hashes = request.block_hashes
@@ -158,59 +163,84 @@ class SchedulerConnector:
                 state.block_ids.extend(new_ids[0])
             state.computed_before_step = cached.num_computed_tokens[i]
 
+        loading: set[str] = set(meta.failed_loads)
         for state in self._reqs.values():
             if state.pending_load is not None:
                 meta.loads.append(state.pending_load)
+                loading.add(state.pending_load.req_id)
                 state.pending_load = None
             if state.pending_failed_ids:
                 meta.failed_loads[state.request.request_id] = state.pending_failed_ids
+                loading.add(state.request.request_id)
                 state.pending_failed_ids = []
 
         if self._saves:
             for rid, n_scheduled in scheduler_output.num_scheduled_tokens.items():
                 state = self._reqs.get(rid)
                 if state is not None:
-                    self._plan_saves(state, n_scheduled, meta)
+                    self._plan_saves(state, n_scheduled, meta, defer=rid in loading)
+        meta.saves.extend(self._finish_saves)
+        self._finish_saves = []
 
         meta.preempted_req_ids = sorted(scheduler_output.preempted_req_ids or ())
         meta.delayed_free_req_ids, self._delayed_free = self._delayed_free, []
         return meta
 
-    def _plan_saves(self, state: _RequestState, n_scheduled: int, meta: PegaConnectorMetadata) -> None:
+    def _plan_saves(
+        self, state: _RequestState, n_scheduled: int, meta: PegaConnectorMetadata, defer: bool
+    ) -> None:
+        """Save the full blocks this step completes. `defer`: the request also loads in this
+        step, and if any rank's load fails, what every rank computes in this step is wrong
+        (under tensor parallelism the all-reduce mixes the ranks). vLLM reports that as a
+        roll-back the scheduler sees before the next step, so those saves are planned then,
+        or dropped with the roll-back: no rank ever stores a block computed over missing KV."""
         bs = self.block_size
         before = state.computed_before_step
         if state.expected_computed is not None and before < state.expected_computed:
             # a failed load rolled the request back: blocks from there on are recomputed
             # (and may be missing from the store), so they are saved again
             state.next_save_block = min(state.next_save_block, before // bs)
-        after = before + n_scheduled
-        state.expected_computed = after
-        hashes = state.request.block_hashes
-        full = min(after // bs, len(hashes), len(state.block_ids))
-        if full <= state.next_save_block:
+        state.expected_computed = before + n_scheduled
+        if defer:
             return
+        transfer = self._unsaved_blocks(state, state.expected_computed)
+        if transfer is not None:
+            meta.saves.append(transfer)
+
+    def _unsaved_blocks(self, state: _RequestState, computed: int) -> BlockTransfer | None:
+        """The full blocks among the first `computed` tokens not yet saved (and mark them)."""
+        hashes = state.request.block_hashes
+        full = min(computed // self.block_size, len(hashes), len(state.block_ids))
         first = state.next_save_block
-        meta.saves.append(
-            BlockTransfer(
-                state.request.request_id,
-                list(state.block_ids[first:full]),
-                [bytes(h) for h in hashes[first:full]],
-            )
-        )
+        if full <= first:
+            return None
         state.next_save_block = full
         state.had_saves = True
         self.saved_blocks += full - first
+        return BlockTransfer(
+            state.request.request_id,
+            list(state.block_ids[first:full]),
+            [bytes(h) for h in hashes[first:full]],
+        )
 
     # ---------------------------------------------------------- completion
     def request_finished(self, request: Any) -> bool:
-        """True when the request's blocks must stay until the workers' saves are done."""
+        """True when the request's blocks must stay until the workers' saves are done.
+        A request that finished in the step that loaded it still has that step's blocks to
+        save (deferred, see _plan_saves): vLLM finishing it means no rank's load failed, so
+        they are saved now, from the blocks it keeps for us."""
         rid = request.request_id
         self._lookups.pop(rid, None)
         state = self._reqs.pop(rid, None)
-        delay = state is not None and state.had_saves
-        if delay:
+        if state is None:
+            return False
+        if self._saves and state.expected_computed is not None:
+            transfer = self._unsaved_blocks(state, state.expected_computed)
+            if transfer is not None:
+                self._finish_saves.append(transfer)
+        if state.had_saves:
             self._delayed_free.append(rid)
-        return delay
+        return state.had_saves
 
     @property
     def num_tracked_requests(self) -> int:

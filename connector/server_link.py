@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pegaflow.connector.namespace import KvLayoutSpec
@@ -37,7 +37,7 @@ def batches(items: Sequence[bytes], client: Any) -> list[list[bytes]]:
 class ServerLink:
     def __init__(
         self,
-        addr: str,
+        addr: str | Callable[[], str | None],
         layouts: Sequence[KvLayoutSpec],
         *,
         client_name: str,
@@ -45,11 +45,16 @@ class ServerLink:
         rpc_timeout_s: float,
         retry_interval_s: float,
         probe_timeout_s: float | None = None,
+        map_pool: bool = True,
     ):
-        """probe_timeout_s: how fast the server must answer a probe to be used again: the
+        """addr: "host:port", or a function that returns it once known (embedded mode).
+        probe_timeout_s: how fast the server must answer a probe to be used again: the
         deadline of this process's calls on the engine step's path (a server slower than
-        that would only trip the breaker again). Default rpc_timeout_s."""
-        self.addr = addr
+        that would only trip the breaker again). Default rpc_timeout_s.
+        map_pool: False for a process that only looks up (the scheduler): no pool mapping."""
+        self._resolve = addr if callable(addr) else (lambda: addr)
+        self.addr = addr if isinstance(addr, str) else "<embedded>"
+        self._map_pool = map_pool
         self._layouts = list(layouts)
         self._client_name = client_name
         self._instance_name = instance_name
@@ -113,7 +118,15 @@ class ServerLink:
 
     # ---------------------------------------------------------------- thread
     def _run(self) -> None:
-        if not self._attach():
+        delay = _FIRST_RETRY_S
+        while not self._stop.is_set():
+            addr = self._resolve()
+            if addr:
+                self.addr = addr
+                break
+            self._stop.wait(delay)  # embedded mode: rank 0 has not published its server yet
+            delay = min(delay * 2, self._retry_interval_s)
+        if self._stop.is_set() or not self._attach():
             return
         delay = _FIRST_RETRY_S
         while not self._stop.is_set():
@@ -129,7 +142,9 @@ class ServerLink:
         """Create the client and register the instances; the server need not be up."""
         from pegaflow.client import PegaClient, errors
 
-        client = PegaClient(self.addr, timeout_s=self._rpc_timeout_s, name=self._client_name)
+        client = PegaClient(
+            self.addr, timeout_s=self._rpc_timeout_s, name=self._client_name, map_pool=self._map_pool
+        )
         try:
             client.connect()
         except errors.ServerUnavailable as exc:

@@ -13,15 +13,21 @@ Per engine step, driven by vLLM's hooks:
                       vLLM -> pool copies, seal RPC), off the forward pass
   get_finished        finished requests whose saves are done give their blocks back
 
-The pool is the server's shared memory, mapped by the client; a mapping stays readable
-after the server dies, so leased bytes still load. A location is only used with the
-epoch it was handed out under (StaleEpoch otherwise).
+Host KV (vLLM on CPU): this process copies whole pages between vLLM's tensors and the
+server's shared-memory pool (kv_pages.py). The pool is mapped by the client; a mapping
+stays readable after the server dies, so leased bytes still load, and a location is only
+used with the epoch it was handed out under (StaleEpoch otherwise).
+
+CUDA KV: the server copies (gpu_worker.py): a load is one LoadToDevice RPC that lands
+every layer at once, a save one SaveFromDevice RPC after a CUDA event recorded at the end
+of the forward. Same deadlines, same failure reporting.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterable
@@ -32,7 +38,7 @@ import torch
 
 from pegaflow.connector.config import ConnectorConfig
 from pegaflow.connector.kv_pages import KvPages, LayoutMismatch, Run, plan_runs
-from pegaflow.connector.metadata import BlockTransfer, PegaConnectorMetadata
+from pegaflow.connector.metadata import BlockTransfer, PegaConnectorMetadata, PegaHandshake
 from pegaflow.connector.namespace import KvLayoutSpec, is_writer
 from pegaflow.connector.server_link import ServerLink, batches
 
@@ -41,6 +47,18 @@ log = logging.getLogger("vllm.pegaflow.connector.worker")
 
 def _remaining(deadline: float) -> float:
     return max(deadline - time.monotonic(), 0.001)
+
+
+def _kv_transfer_cores() -> list[int]:
+    """The cores vLLM's CPU platform sets aside for KV transfers (the last physical core of
+    each NUMA node); empty when it does not say (then threads stay where vLLM put them)."""
+    try:
+        from vllm.platforms import current_platform
+
+        groups = current_platform.discover_numa_topology()
+    except Exception:  # not the CPU platform, or no topology: leave affinity alone
+        return []
+    return sorted({max(g) for g in groups if g})
 
 
 class _LoadJob:
@@ -58,7 +76,8 @@ class _LoadJob:
         self.plans: list[tuple[torch.Tensor, list[Run], int]] = []  # (pool, runs, bytes per layer)
         self.missing_ids: set[int] = set()  # blocks the server no longer had, or whose lease failed
         self.leases: list[str] = []
-        # timings for the debug log: submitted, leased, landed (monotonic seconds)
+        self.landed_bytes = 0
+        # timings for the debug log (monotonic seconds)
         self.t_submit = time.monotonic()
         self.t_leased = 0.0
         self.t_landed = 0.0
@@ -79,10 +98,11 @@ class _SaveJob:
     """One step's saves (deduplicated by hash). Preemption cancels it under `lock`, which
     the save thread holds while it copies: a cancelled job never reads the blocks again."""
 
-    def __init__(self, block_ids: list[int], hashes: list[bytes], req_ids: set[str]):
+    def __init__(self, block_ids: list[int], hashes: list[bytes], req_ids: set[str], ready: Any = None):
         self.block_ids = block_ids
         self.hashes = hashes
         self.req_ids = req_ids
+        self.ready = ready  # CUDA path: event recorded after the forward that wrote the blocks
         self.lock = threading.Lock()
         self.cancelled = False
 
@@ -96,17 +116,32 @@ class WorkerConnector:
         num_blocks: int,
         layer_names: list[str],
         instance_name: str,
+        tp_rank: int = 0,
+        unsupported_reason: str = "",
+        server_addr: Any = None,
+        engine_id: str = "",
     ):
+        """server_addr: "host:port" or a function returning it (embedded mode); default
+        cfg.server_addr. engine_id names the embedded server of this engine."""
         self.cfg = cfg
+        self.server_addr = server_addr or cfg.server_addr
+        self.engine_id = engine_id
+        self.embedded: Any = None  # the in-process server, on TP rank 0 in embedded mode
         self.layout = layout
-        self.writer = layout is not None and is_writer(layout)
         self.num_blocks = num_blocks
-        self.layer_names = layer_names
+        self.layer_names = list(layer_names)
+        self.layer_index = {name: i for i, name in enumerate(self.layer_names)}
         self.instance_name = instance_name
-        self.pages: KvPages | None = None
+        self.tp_rank = tp_rank
+        self.disabled_reason = unsupported_reason or ("" if layout is not None else "no layout")
+        self.pages: KvPages | None = None  # host KV: this process copies pages
+        self.gpu: Any = None  # CUDA KV: a GpuKvTransfer, the server copies
         self.link: ServerLink | None = None
-        self._load_thread = ThreadPoolExecutor(1, thread_name_prefix="pegaflow-load")
-        self._save_thread = ThreadPoolExecutor(1, thread_name_prefix="pegaflow-save")
+        # CPU cores for the copy threads (host KV): set in register_kv_caches, applied when
+        # the threads start (on their first job)
+        self._transfer_cores: list[int] = []
+        self._load_thread = ThreadPoolExecutor(1, "pegaflow-load", initializer=self._pin_transfer_thread)
+        self._save_thread = ThreadPoolExecutor(1, "pegaflow-save", initializer=self._pin_transfer_thread)
         self._housekeeping = ThreadPoolExecutor(1, thread_name_prefix="pegaflow-release")
         self._load_job: _LoadJob | None = None
         self._invalid_ids: set[int] = set()
@@ -114,30 +149,49 @@ class WorkerConnector:
         self._save_jobs: list[_SaveJob] = []  # queued or running
         self._pending_saves: collections.Counter[str] = collections.Counter()
         self._awaiting_free: set[str] = set()
+        self._device_handle: Any = None
         self.stats = collections.Counter()
 
+    @property
+    def writer(self) -> bool:
+        return self.layout is not None and is_writer(self.layout)
+
+    @property
+    def active(self) -> bool:
+        return self.link is not None
+
     # ------------------------------------------------------------ start-up
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         if self.layout is None:
             return
         try:
-            pages = KvPages(kv_caches, self.num_blocks, self.layer_names)
-        except LayoutMismatch as exc:
-            log.error("pegaflow: KV tensors do not fit the page copier (%s); running without the cache", exc)
+            # the CUDA path (and its imports) only when vLLM's KV lives on a GPU
+            if kv_caches and all(getattr(t, "is_cuda", False) for t in kv_caches.values()):
+                self._register_cuda(kv_caches)
+            else:
+                self._register_host(kv_caches)
+        except (LayoutMismatch, ValueError) as exc:
+            self.disabled_reason = str(exc)
+            self.pages = self.gpu = None
+            log.error("pegaflow: %s; serving without the cache", exc)
             return
-        if pages.block_bytes != self.layout.block_bytes or pages.num_layers != self.layout.num_layers:
-            log.error(
-                "pegaflow: KV tensors hold %d B per block over %d layers, the namespace says %d B over %d; "
-                "running without the cache",
-                pages.block_bytes,
-                pages.num_layers,
-                self.layout.block_bytes,
-                self.layout.num_layers,
-            )
-            return
-        self.pages = pages
+        if self.cfg.embedded and self.tp_rank == 0:
+            from pegaflow.connector.embedded import EmbeddedServer
+
+            try:
+                self.embedded = EmbeddedServer(
+                    self.engine_id,
+                    self.cfg.embedded_pool_size,
+                    self.cfg.embedded_addr,
+                    self.cfg.embedded_http_addr,
+                )
+            except (OSError, ValueError) as exc:
+                self.disabled_reason = f"embedded server did not start: {exc}"
+                self.pages = self.gpu = None
+                log.error("pegaflow: %s; serving without the cache", self.disabled_reason)
+                return
         self.link = ServerLink(
-            self.cfg.server_addr,
+            self.server_addr,
             [self.layout],
             client_name="vllm-worker",
             instance_name=self.instance_name,
@@ -147,6 +201,57 @@ class WorkerConnector:
         )
         self.link.start()
 
+    def _check_geometry(self, block_bytes: int, num_layers: int) -> None:
+        assert self.layout is not None
+        if block_bytes != self.layout.block_bytes or num_layers != self.layout.num_layers:
+            raise LayoutMismatch(
+                f"KV tensors hold {block_bytes} B per block over {num_layers} layers, the namespace "
+                f"says {self.layout.block_bytes} B over {self.layout.num_layers}"
+            )
+
+    def _register_host(self, kv_caches: dict[str, Any]) -> None:
+        pages = KvPages(kv_caches, self.num_blocks, self.layer_names)
+        self._check_geometry(pages.block_bytes, pages.num_layers)
+        self.pages = pages
+        self._transfer_cores = _kv_transfer_cores()
+
+    def _pin_transfer_thread(self) -> None:
+        """vLLM pins a CPU worker (and so every thread it starts) to its compute cores and,
+        when a KV connector is configured, reserves the last core of each NUMA node for the
+        connector's transfers (as its NIXL connector uses them). Copying there overlaps the
+        layer-by-layer loads with the forward instead of time-sharing its core."""
+        if not self._transfer_cores:
+            return
+        try:
+            os.sched_setaffinity(0, self._transfer_cores)
+        except (OSError, ValueError) as exc:
+            log.debug("pegaflow: cannot move a copy thread to cores %s: %s", self._transfer_cores, exc)
+
+    def _register_cuda(self, kv_caches: dict[str, Any]) -> None:
+        import dataclasses
+
+        from pegaflow.connector.gpu_worker import GpuKvTransfer
+
+        gpu = GpuKvTransfer(kv_caches, self.num_blocks, self.layer_names)
+        self._check_geometry(gpu.block_bytes, gpu.num_layers)
+        # the stored byte order comes from the tensors' strides: the scheduler learns it
+        # through the handshake, so both roles use this tag
+        assert self.layout is not None
+        self.layout = dataclasses.replace(self.layout, layout=gpu.layout_tag)
+        self.gpu = gpu
+
+    def handshake(self) -> PegaHandshake:
+        """The layout this worker stores under, or None (and why) when it runs without cache."""
+        if self.active:
+            return PegaHandshake(self.tp_rank, self.layout)
+        return PegaHandshake(self.tp_rank, None, self.disabled_reason or "KV tensors not registered")
+
+    def _device_handle_for(self, client: Any, inst: Any) -> Any:
+        """CUDA path: the device-memory registration (the client renews it after reconnects)."""
+        if self._device_handle is None:
+            self._device_handle = self.gpu.register(client, inst, self.cfg.rpc_timeout_s)
+        return self._device_handle
+
     # -------------------------------------------------------------- loads
     def start_load(self, meta: PegaConnectorMetadata) -> None:
         for ids in meta.failed_loads.values():
@@ -155,20 +260,18 @@ class WorkerConnector:
             return
         if self._load_job is not None:  # the previous step did not finish its loads
             self._finish_load()
-        job = _LoadJob(
-            meta.loads, self.pages.num_layers if self.pages else 0, time.monotonic() + self.cfg.load_timeout_s
-        )
+        job = _LoadJob(meta.loads, len(self.layer_names), time.monotonic() + self.cfg.load_timeout_s)
         self._load_job = job
-        if self.pages is None or self.link is None:
+        if not self.active:
             job.finish()  # nothing lands: _finish_load reports every block
             return
         self._load_thread.submit(self._run_load, job)
 
     def wait_for_layer(self, layer_name: str) -> None:
         job = self._load_job
-        if job is None or self.pages is None:
+        if job is None:
             return
-        layer = self.pages.layer_index.get(layer_name)
+        layer = self.layer_index.get(layer_name)
         if layer is None:
             return
         t0 = time.monotonic()
@@ -195,7 +298,7 @@ class WorkerConnector:
         with job.lock:
             job.cancelled = True  # nothing may land after the step
             landed = job.layers_landed
-        complete = self.pages is not None and landed == self.pages.num_layers
+        complete = self.active and landed == len(self.layer_names)
         failed_reqs: set[str] = set()
         for t in job.transfers:
             missing = [b for b in t.block_ids if not complete or b in job.missing_ids]
@@ -205,12 +308,11 @@ class WorkerConnector:
                 self.stats["load_failed_blocks"] += len(missing)
             self.stats["loaded_blocks"] += len(t.block_ids) - len(missing)
         if log.isEnabledFor(logging.DEBUG):
-            nbytes = sum(b for _, _, b in job.plans) * landed
             log.debug(
                 "pegaflow: load of %d blocks (%.1f MiB): lease %.1f ms, copies %.1f ms, "
                 "forward waited %.1f ms",
                 sum(len(t.block_ids) for t in job.transfers),
-                nbytes / 2**20,
+                job.landed_bytes / 2**20,
                 (job.t_leased - job.t_submit) * 1e3 if job.t_leased else -1,
                 (job.t_landed - job.t_leased) * 1e3 if job.t_landed else -1,
                 job.waited_s * 1e3,
@@ -218,55 +320,95 @@ class WorkerConnector:
         return failed_reqs
 
     def _run_load(self, job: _LoadJob) -> None:
-        from pegaflow.client import errors
-
-        assert self.pages is not None and self.link is not None
-        pages = self.pages
+        assert self.link is not None
         try:
             usable = self.link.usable()
             if usable is None:
                 return  # nothing lands: every block is reported failed
             client, (inst,) = usable
-            for transfer in job.transfers:
-                if job.cancelled or job.deadline <= time.monotonic():
-                    return
-                try:
-                    locations, epoch = self._lease(client, inst, transfer.block_hashes, job)
-                    n = len(locations)
-                    if any(loc.length != pages.block_bytes for loc in locations):
-                        raise errors.PegaflowError(
-                            f"server returned locations that are not {pages.block_bytes} B"
-                        )
-                    if n:
-                        pool = self._pool_tensor(client, epoch)
-                        runs = plan_runs(
-                            transfer.block_ids[:n], [loc.offset for loc in locations], pages.block_bytes
-                        )
-                        job.plans.append((pool, runs, n * pages.page_bytes))
-                except errors.ServerUnavailable as exc:
-                    self.link.report_failure(exc, "lease")
-                    return
-                except errors.PegaflowError as exc:  # e.g. a stale epoch: this request recomputes
-                    log.warning("pegaflow: load of request %s failed (%s); recomputing", transfer.req_id, exc)
-                    n = 0
-                job.missing_ids.update(transfer.block_ids[n:])
-            job.t_leased = time.monotonic()
-            for layer in range(pages.num_layers):
-                with job.lock:
-                    if job.cancelled:
-                        return
-                    for pool, runs, _ in job.plans:
-                        pages.load_layer(pool, runs, layer)
-                    job.layers_landed = layer + 1
-                job.layer_done[layer].set()
-            job.t_landed = time.monotonic()
+            if self.gpu is not None:
+                self._load_cuda(client, inst, job)
+            else:
+                self._load_host(client, inst, job)
         except Exception:
             log.exception("pegaflow: load failed unexpectedly; recomputing")
         finally:
             job.finish()
             if job.leases:
-                loaded = sum(b for _, _, b in job.plans) * job.layers_landed
-                self._housekeeping.submit(self._release, job.leases, loaded)
+                self._housekeeping.submit(self._release, job.leases, job.landed_bytes)
+
+    def _load_host(self, client: Any, inst: Any, job: _LoadJob) -> None:
+        from pegaflow.client import errors
+
+        assert self.pages is not None and self.link is not None
+        pages = self.pages
+        for transfer in job.transfers:
+            if job.cancelled or job.deadline <= time.monotonic():
+                return
+            n = 0
+            try:
+                locations, epoch = self._lease(client, inst, transfer.block_hashes, job)
+                if any(loc.length != pages.block_bytes for loc in locations):
+                    raise errors.PegaflowError(
+                        f"server returned locations that are not {pages.block_bytes} B"
+                    )
+                if locations:
+                    pool = self._pool_tensor(client, epoch)
+                    runs = plan_runs(
+                        transfer.block_ids[: len(locations)],
+                        [loc.offset for loc in locations],
+                        pages.block_bytes,
+                    )
+                    job.plans.append((pool, runs, len(locations) * pages.page_bytes))
+                    n = len(locations)
+            except errors.ServerUnavailable as exc:
+                self.link.report_failure(exc, "lease")
+                return
+            except errors.PegaflowError as exc:  # e.g. a stale epoch: this request recomputes
+                log.warning("pegaflow: load of request %s failed (%s); recomputing", transfer.req_id, exc)
+            job.missing_ids.update(transfer.block_ids[n:])
+        job.t_leased = time.monotonic()
+        for layer in range(pages.num_layers):
+            with job.lock:
+                if job.cancelled:
+                    return
+                for pool, runs, nbytes in job.plans:
+                    pages.load_layer(pool, runs, layer)
+                    job.landed_bytes += nbytes
+                job.layers_landed = layer + 1
+            job.layer_done[layer].set()
+        job.t_landed = time.monotonic()
+
+    def _load_cuda(self, client: Any, inst: Any, job: _LoadJob) -> None:
+        """The server leases and copies into GPU memory; all layers land at once. It never
+        lands a copy after the deadline it was given (the step's load deadline)."""
+        from pegaflow.client import errors
+
+        assert self.link is not None
+        handle = self._device_handle_for(client, inst)
+        job.t_leased = time.monotonic()
+        for transfer in job.transfers:
+            if job.cancelled or job.deadline <= time.monotonic():
+                job.missing_ids.update(transfer.block_ids)
+                continue
+            n = 0
+            try:
+                n = self.gpu.load(
+                    client, handle, transfer.block_hashes, transfer.block_ids, _remaining(job.deadline)
+                )
+                n = max(0, min(n, len(transfer.block_ids)))
+            except errors.ServerUnavailable as exc:
+                self.link.report_failure(exc, "device load")
+            except errors.PegaflowError as exc:
+                log.warning(
+                    "pegaflow: device load of request %s failed (%s); recomputing", transfer.req_id, exc
+                )
+            job.missing_ids.update(transfer.block_ids[n:])
+            job.landed_bytes += n * self.gpu.block_bytes
+        with job.lock:
+            if not job.cancelled:
+                job.layers_landed = len(self.layer_names)
+        job.t_landed = time.monotonic()
 
     @staticmethod
     def _lease(client: Any, inst: Any, hashes: list[bytes], job: _LoadJob) -> tuple[list[Any], str]:
@@ -307,6 +449,7 @@ class WorkerConnector:
         out, self._invalid_ids = self._invalid_ids, set()
         return out
 
+    # -------------------------------------------------------------- saves
     def finish_step(self, meta: PegaConnectorMetadata) -> None:
         """After the step's forward: close its loads, then queue its saves. A request whose
         load failed computed this step on missing KV, so its new blocks are not saved (the
@@ -319,7 +462,6 @@ class WorkerConnector:
             )
         self.submit_saves(saves)
 
-    # -------------------------------------------------------------- saves
     def handle_preemptions(self, preempted: Iterable[str]) -> None:
         preempted = set(preempted)
         if not preempted:
@@ -332,8 +474,9 @@ class WorkerConnector:
             self.stats["save_jobs_preempted"] += 1
 
     def submit_saves(self, saves: list[BlockTransfer]) -> None:
-        if not saves or not self.writer or self.pages is None or self.link is None:
+        if not saves or not self.writer or not self.active:
             return
+        assert self.link is not None
         seen: set[bytes] = set()
         block_ids: list[int] = []
         hashes: list[bytes] = []
@@ -347,7 +490,8 @@ class WorkerConnector:
         if self.link.usable() is None:
             self.stats["save_blocks_skipped_unavailable"] += nblocks
             return
-        job = _SaveJob(block_ids, hashes, {t.req_id for t in saves})
+        ready = self.gpu.record_ready() if self.gpu is not None else None
+        job = _SaveJob(block_ids, hashes, {t.req_id for t in saves}, ready)
         with self._save_lock:
             if len(self._save_jobs) > self.cfg.max_pending_saves:
                 self.stats["save_blocks_dropped_backlog"] += nblocks
@@ -360,12 +504,15 @@ class WorkerConnector:
     def _run_save(self, job: _SaveJob) -> None:
         from pegaflow.client import errors
 
-        assert self.pages is not None and self.link is not None
+        assert self.link is not None
         try:
             usable = self.link.usable()
             if usable is None or job.cancelled:
                 return
             client, (inst,) = usable
+            if self.gpu is not None:
+                self._save_cuda(client, inst, job)
+                return
             start = 0
             for chunk in batches(job.hashes, client):
                 ids = job.block_ids[start : start + len(chunk)]
@@ -424,6 +571,23 @@ class WorkerConnector:
             if not sealed:
                 self._abort_quietly(client, batch.save_id)
 
+    def _save_cuda(self, client: Any, inst: Any, job: _SaveJob) -> None:
+        """One SaveFromDevice per batch: the server allocates, copies from GPU memory, seals.
+        Held under the job lock: a preemption waits for the copy rather than let the
+        server read blocks the next forward overwrites (bounded by rpc_timeout_ms)."""
+        handle = self._device_handle_for(client, inst)
+        start = 0
+        for chunk in batches(job.hashes, client):
+            ids = job.block_ids[start : start + len(chunk)]
+            start += len(chunk)
+            with job.lock:
+                if job.cancelled:
+                    return
+                result = self.gpu.save(client, handle, chunk, ids, self.cfg.rpc_timeout_s, ready=job.ready)
+            written = int(result[1]) if isinstance(result, tuple) else int(getattr(result, "written", 0))
+            self.stats["saved_blocks"] += written
+            self.stats["save_blocks_deduplicated"] += len(chunk) - written
+
     def _abort_quietly(self, client: Any, save_id: str) -> None:
         from pegaflow.client import errors
 
@@ -459,4 +623,6 @@ class WorkerConnector:
         self._housekeeping.shutdown(wait=True, cancel_futures=True)
         if self.link is not None:
             self.link.close()
+        if self.embedded is not None:
+            self.embedded.stop()
         log.info("pegaflow: worker connector stopped: %s", dict(self.stats))

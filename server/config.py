@@ -13,6 +13,7 @@ KIB = 1 << 10
 MIB = 1 << 20
 GIB = 1 << 30
 TIB = 1 << 40
+MIN_POOL_BYTES = 4 * MIB  # one slab of the smallest size (pool/allocator.py)
 
 _SIZE_UNITS = {
     "b": 1,
@@ -101,6 +102,11 @@ def parse_host_port(text: str) -> tuple[str, int]:
     return m.group(1), port
 
 
+def format_host_port(host: str, port: int) -> str:
+    """The inverse of parse_host_port (IPv6 hosts in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
     """Everything a running server needs. Defaults are the production defaults."""
@@ -109,6 +115,8 @@ class ServerConfig:
     addr: str = "127.0.0.1:50055"
     http_addr: str | None = "127.0.0.1:9091"  # None: no metrics/health HTTP endpoint (embedded use)
     use_hugepages: bool = False
+    # Back the pool with a file in this tmpfs / hugetlbfs mount instead of an anonymous memfd.
+    pool_dir: str | None = None
     enable_lfu_admission: bool = False
     hll_windows: dict[str, float] = dataclasses.field(
         default_factory=lambda: {"15m": 900.0, "1h": 3600.0, "24h": 86400.0}
@@ -123,15 +131,26 @@ class ServerConfig:
     # Allocator slab size; None picks one from the pool size (see pool/README.md).
     slab_bytes: int | None = None
     max_batch_blocks: int = 4096  # hashes per QueryPrefix / AllocateBlocks / SealBlocks
+    # Per session: bounds what one buggy client can pile up (leases and saves also expire).
+    max_instances_per_session: int = 1024
+    max_leases_per_session: int = 65536
     max_hash_bytes: int = 64
     rpc_workers: int = 16
     # Deadline applied to calls that arrive without one (the protocol requires one; health probes may not).
     default_rpc_deadline_s: float = 10.0
     reaper_interval_s: float = 0.2
+    # GPU data path (server/gpu), used when CuPy and a GPU are present: auto | direct | staged; off = no CUDA.
+    gpu_copy_mode: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.pool_size_bytes, int) or self.pool_size_bytes <= 0:
             raise ValueError(f"pool_size_bytes must be a positive int, got {self.pool_size_bytes!r}")
+        if self.pool_size_bytes < MIN_POOL_BYTES:
+            raise ValueError(f"the pool must be at least {format_size(MIN_POOL_BYTES)} (one allocator slab)")
+        if self.slab_bytes is not None and not 0 < self.slab_bytes <= self.pool_size_bytes:
+            raise ValueError("slab_bytes must be positive and no larger than the pool")
+        if self.use_hugepages and self.pool_dir:
+            raise ValueError("--use-hugepages and --pool-dir exclude each other (mount hugetlbfs for both)")
         parse_host_port(self.addr)
         if self.http_addr is not None:
             parse_host_port(self.http_addr)

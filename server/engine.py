@@ -25,19 +25,27 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
 
 from pegaflow import __version__
 from pegaflow.server.config import ServerConfig
-from pegaflow.server.errors import Closed, DeadlineExceeded, InvalidArgument, NotFound
+from pegaflow.server.errors import (
+    Closed,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 from pegaflow.server.index.block_index import SEALED, BlockEntry, BlockIndex, BlockKey
 from pegaflow.server.index.namespace import KvLayout, Namespace, NamespaceTable
 from pegaflow.server.lease.leases import Lease, LeaseTable
 from pegaflow.server.lease.saves import Save, SaveTable
 from pegaflow.server.lease.sessions import Session, SessionTable
+from pegaflow.server.lease.tombstones import Tombstones
 from pegaflow.server.policy import make_policy
 from pegaflow.server.pool.allocator import SlabAllocator
 from pegaflow.server.pool.region import PoolRegion
@@ -197,10 +205,6 @@ class _Instance:
         self.name = name
 
 
-def _remaining(deadline: float | None) -> float | None:
-    return None if deadline is None else deadline - time.monotonic()
-
-
 class KVEngine:
     """Thread-safe cache engine. ``KVEngine(config)`` allocates the pool; ``close()`` frees it."""
 
@@ -213,9 +217,15 @@ class KVEngine:
         self.config = config
         self.observer = observer or EngineObserver()
         self.epoch = secrets.token_hex(8)
-        self.region = region or PoolRegion.create(config.pool_size_bytes, config.use_hugepages)
-        self.allocator = SlabAllocator(self.region.size_bytes, config.slab_bytes)
-        self.policy = make_policy(config.enable_lfu_admission, self.region.size_bytes)
+        self.region = region or PoolRegion.create(
+            config.pool_size_bytes, config.use_hugepages, config.pool_dir
+        )
+        try:
+            self.allocator = SlabAllocator(self.region.size_bytes, config.slab_bytes)
+            self.policy = make_policy(config.enable_lfu_admission, self.region.size_bytes)
+        except BaseException:
+            self.region.close()
+            raise
         self.counters = Counters()
         self._lock = threading.Lock()
         self._namespaces = NamespaceTable()
@@ -223,7 +233,11 @@ class KVEngine:
         self._sessions = SessionTable(config.session_ttl_s)
         self._leases = LeaseTable()
         self._saves = SaveTable()
+        # Ids released / aborted before they existed: a late call with one is refused (see tombstones.py).
+        self._tombstones = Tombstones(config.write_timeout_s)
         self._instances: dict[str, _Instance] = {}
+        self._session_listeners: list[Callable[[str], None]] = []
+        self._ended_sessions: list[str] = []  # ended under the lock, announced after it
         self._closed = False
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="pegaflow-reaper", daemon=True)
@@ -252,6 +266,24 @@ class KVEngine:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def add_session_listener(self, callback: Callable[[str], None]) -> None:
+        """``callback(session_id)`` runs after a session ended for any reason (closed, its pool connection
+        dropped, heartbeat timeout), outside the engine lock, on the thread that ended it. For state kept
+        per session outside the engine (e.g. a GPU data path's CUDA IPC mappings)."""
+        self._session_listeners.append(callback)
+
+    def _announce_ended_sessions(self) -> None:
+        if not self._ended_sessions:
+            return
+        with self._lock:
+            ended, self._ended_sessions = self._ended_sessions, []
+        for session_id in ended:
+            for callback in self._session_listeners:
+                try:
+                    callback(session_id)
+                except Exception:
+                    log.exception("session listener failed for %s", session_id)
 
     def pool_view(self) -> np.ndarray:
         """The whole pool as a uint8 array (embedded users and a server-side copier write through it)."""
@@ -306,13 +338,13 @@ class KVEngine:
             session = self._live_session(session_id)
             self._end_session(session, "closed by client")
             self.counters.closed_sessions += 1
+        self._announce_ended_sessions()
 
     def attach_session(self, session_id: str) -> dict:
         """A pool-fd connection of this session opened (fd broker). Returns the broker's header."""
         with self._locked(None):
             session = self._live_session(session_id)
             session.attachments += 1
-            session.ever_attached = True
         return {"epoch": self.epoch, "size_bytes": self.region.size_bytes, "hugepages": self.region.hugepages}
 
     def detach_session(self, session_id: str) -> None:
@@ -325,6 +357,7 @@ class KVEngine:
             if session.attachments <= 0:
                 self._end_session(session, "pool connection closed")
                 self.counters.disconnected_sessions += 1
+        self._announce_ended_sessions()
 
     # ------------------------------------------------------------- instances
 
@@ -334,6 +367,10 @@ class KVEngine:
         layout.validate(self.allocator.max_block_bytes)
         with self._locked(deadline):
             session = self._live_session(session_id)
+            if len(session.instances) >= self.config.max_instances_per_session:
+                raise ResourceExhausted(
+                    f"session {session_id} already has {len(session.instances)} instances (the limit)"
+                )
             namespace = self._namespaces.intern(layout)
             instance = _Instance(session.id, namespace, name)
             self._instances[instance.id] = instance
@@ -367,12 +404,18 @@ class KVEngine:
         lease: bool = False,
         lease_ttl_s: float | None = None,
         deadline: float | None = None,
+        lease_id: str = "",
     ) -> PrefixResult:
-        """Leading sealed hits of ``hashes``; with ``lease`` they are pinned until released or expired."""
+        """Leading sealed hits of ``hashes``; with ``lease`` they are pinned until released or expired.
+
+        ``lease_id`` optionally names the lease (client-chosen, so it can release it after a timeout).
+        """
         self._check_hashes(hashes)
         ttl = self._lease_ttl(lease_ttl_s)
         with self._locked(deadline):
             session = self._live_session(session_id)
+            if lease and lease_id:
+                self._check_new_id(lease_id, self._leases.get(lease_id) is not None, "lease")
             namespace = self._instance(instance_id).namespace
             ns_index = namespace.index
             get = self._index.get
@@ -382,15 +425,19 @@ class KVEngine:
                 if entry is None or entry.state != SEALED:
                     break
                 hits.append(entry)
-            lease_id = ""
+            taken = ""
+            if lease and hits and len(session.leases) >= self.config.max_leases_per_session:
+                raise ResourceExhausted(
+                    f"session {session_id} holds {len(session.leases)} leases (the limit)"
+                )
             if lease and hits:
-                lease_id = self._take_lease(session, instance_id, hits, ttl)
+                taken = self._take_lease(session, instance_id, hits, ttl, lease_id)
             offsets = [e.offset for e in hits]
             self.counters.queries += 1
             self.counters.hits += len(hits)
             self.counters.misses += len(hashes) - len(hits)
         self._after_lookup(ns_index, hashes, hits)
-        return PrefixResult(len(hits), lease_id, offsets, namespace.block_bytes, self.epoch)
+        return PrefixResult(len(hits), taken, offsets, namespace.block_bytes, self.epoch)
 
     def load_blocks(
         self, session_id: str, instance_id: str, lease_id: str, deadline: float | None = None
@@ -421,6 +468,7 @@ class KVEngine:
             self._live_session(session_id)
             held = self._leases.get(lease_id)
             if held is None:
+                self._tombstones.add(lease_id, time.monotonic())
                 raise NotFound("lease", lease_id)
             self._drop_lease(held)
             age = time.monotonic() - held.created_at
@@ -432,16 +480,26 @@ class KVEngine:
     # ------------------------------------------------------------- save path
 
     def allocate_blocks(
-        self, session_id: str, instance_id: str, hashes: Sequence[bytes], deadline: float | None = None
+        self,
+        session_id: str,
+        instance_id: str,
+        hashes: Sequence[bytes],
+        deadline: float | None = None,
+        save_id: str = "",
     ) -> AllocateResult:
-        """Per hash: GRANTED (+ location to write, then seal), EXISTS, IN_PROGRESS or NO_SPACE."""
+        """Per hash: GRANTED (+ location to write, then seal), EXISTS, IN_PROGRESS or NO_SPACE.
+
+        ``save_id`` optionally names the save (client-chosen, so it can abort it after a timeout).
+        """
         self._check_hashes(hashes)
         with self._locked(deadline):
             session = self._live_session(session_id)
+            if save_id:
+                self._check_new_id(save_id, self._saves.get(save_id) is not None, "save")
             namespace = self._instance(instance_id).namespace
             ns_index, block_bytes = namespace.index, namespace.block_bytes
             now = time.monotonic()
-            save = Save(session.id, instance_id, now, self.config.write_timeout_s)
+            save = Save(session.id, instance_id, now, self.config.write_timeout_s, save_id)
             statuses: list[AllocStatus] = []
             new_hashes: list[bytes] = []
             new_positions: list[int] = []
@@ -536,6 +594,7 @@ class KVEngine:
             self._live_session(session_id)
             save = self._saves.get(save_id)
             if save is None:
+                self._tombstones.add(save_id, time.monotonic())
                 raise NotFound("save", save_id)
             return self._abort_save(save)
 
@@ -632,8 +691,16 @@ class KVEngine:
         except Exception:
             log.exception("lookup signals (policy / metrics) failed; the query itself succeeded")
 
-    def _take_lease(self, session: Session, instance_id: str, entries: list[BlockEntry], ttl_s: float) -> str:
-        held = Lease(session.id, instance_id, entries, time.monotonic(), ttl_s)
+    def _check_new_id(self, ident: str, in_use: bool, kind: str) -> None:
+        if ident in self._tombstones:
+            raise DeadlineExceeded(f"{kind} {ident} was already given up by its caller")
+        if in_use:
+            raise FailedPrecondition(f"{kind} id {ident} is already in use")
+
+    def _take_lease(
+        self, session: Session, instance_id: str, entries: list[BlockEntry], ttl_s: float, ident: str = ""
+    ) -> str:
+        held = Lease(session.id, instance_id, entries, time.monotonic(), ttl_s, ident)
         for entry in entries:
             if self._index.pin(entry):
                 self.allocator.hold(entry.offset)
@@ -670,6 +737,8 @@ class KVEngine:
 
     def _end_session(self, session: Session, reason: str) -> None:
         self._sessions.remove(session.id)
+        if self._session_listeners:
+            self._ended_sessions.append(session.id)
         leases = [self._leases.get(lease_id) for lease_id in session.leases]
         for held in leases:
             if held is not None:
@@ -763,6 +832,7 @@ class KVEngine:
             for held in self._leases.expired(now):
                 self._drop_lease(held)
                 self.counters.expired_leases += 1
+            self._tombstones.prune(now)
             for save in self._saves.expired(now):
                 freed = self._abort_save(save)
                 self.counters.timed_out_saves += 1
@@ -772,3 +842,4 @@ class KVEngine:
                     self.config.write_timeout_s,
                     freed,
                 )
+        self._announce_ended_sessions()

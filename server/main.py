@@ -87,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
         "e.g. /proc/sys/vm/nr_hugepages)",
     )
     p.add_argument(
+        "--pool-dir",
+        default=None,
+        metavar="DIR",
+        help="back the pool with a file in DIR, a tmpfs or hugetlbfs mount, instead of an anonymous memfd; "
+        "a tmpfs mounted with huge=always gives 2 MiB transparent huge pages without a hugetlb reservation",
+    )
+    p.add_argument(
         "--enable-lfu-admission",
         action="store_true",
         help="W-TinyLFU admission and eviction instead of plain LRU (protects against scans)",
@@ -121,6 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="granted blocks not sealed within this many seconds are freed (default %(default)s)",
     )
     p.add_argument(
+        "--gpu-copy-mode",
+        default="auto",
+        choices=["auto", "direct", "staged", "off"],
+        help="GPU data path, used when CuPy and a CUDA GPU are present: workers register their KV "
+        "tensors by CUDA IPC and the server copies with batched kernels (direct), through device "
+        "staging and the copy engine (staged), or picks per request (auto, default); off: never use CUDA",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -135,16 +150,23 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         addr=args.addr,
         http_addr=args.http_addr,
         use_hugepages=args.use_hugepages,
+        pool_dir=args.pool_dir,
         enable_lfu_admission=args.enable_lfu_admission,
         hll_windows=args.metric_hll_windows,
         fd_socket_path=args.fd_socket_path,
         session_ttl_s=args.session_ttl,
         write_timeout_s=args.write_timeout,
+        gpu_copy_mode=args.gpu_copy_mode,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))  # exits 2 with the usage line, like any other bad flag
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -153,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     from pegaflow.server.runtime import start_server  # after logging is set up: start-up logs matter
 
     try:
-        server = start_server(config_from_args(args))
+        server = start_server(config)
     except PoolCapacityError as exc:
         log.error("%s", exc)
         print(f"pegaflow-server: error: {exc}", file=sys.stderr)

@@ -26,7 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pegaflow.proto import pegaflow_pb2, pegaflow_pb2_grpc
-from pegaflow.server.config import ServerConfig, parse_host_port
+from pegaflow.server.config import ServerConfig, format_host_port, parse_host_port
 from pegaflow.server.engine import KVEngine
 from pegaflow.server.metrics.http import MetricsHttpServer
 from pegaflow.server.metrics.registry import ServerMetrics
@@ -46,6 +46,7 @@ class RunningServer:
         self.config = config
         self.metrics: ServerMetrics | None = None
         self.engine: KVEngine | None = None
+        self.gpu = None  # server.gpu.service.GpuDataPath when this host has a usable GPU
         self.broker: FdBroker | None = None
         self.grpc_server: grpc.Server | None = None
         self.health: health.HealthServicer | None = None
@@ -79,6 +80,8 @@ class RunningServer:
                 self.broker.stop()
             if self.metrics is not None:
                 self.metrics.close()
+            if self.gpu is not None:
+                self.gpu.close()
             if self.engine is not None:
                 self.engine.close()
             self._stopped.set()
@@ -100,6 +103,20 @@ def _default_fd_socket_path(epoch: str) -> str:
     return os.path.join(base, f"pegaflow-{os.getpid()}-{epoch}.sock")
 
 
+def _start_gpu(config: ServerConfig, engine: KVEngine):
+    """The GPU data path when CuPy and a GPU are present (it pins the pool for DMA once); else None."""
+    if config.gpu_copy_mode == "off":
+        return None
+    from pegaflow.server.gpu import service as gpu_service
+
+    if not gpu_service.available():
+        log.info("gpu: no CUDA device or no CuPy; the GPU data path is off")
+        return None
+    gpu = gpu_service.GpuDataPath(engine, gpu_service.GpuOptions(copy_mode=config.gpu_copy_mode))
+    engine.add_session_listener(gpu.on_session_end)
+    return gpu
+
+
 def start_server(config: ServerConfig) -> RunningServer:
     """Starts every part; on any failure stops what was started and re-raises."""
     server = RunningServer(config)
@@ -107,12 +124,14 @@ def start_server(config: ServerConfig) -> RunningServer:
         server.metrics = ServerMetrics(config.hll_windows)
         server.engine = engine = KVEngine(config, observer=server.metrics)
         server.metrics.bind(engine)
+        server.gpu = _start_gpu(config, engine)
 
         server.fd_socket_path = config.fd_socket_path or _default_fd_socket_path(engine.epoch)
         server.broker = FdBroker(
             server.fd_socket_path, engine.region.fd, engine.attach_session, engine.detach_session
         )
         server.broker.start()
+        engine.add_session_listener(server.broker.forget_session)
 
         server.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.rpc_workers, thread_name_prefix="pegaflow-rpc"),
@@ -125,7 +144,7 @@ def start_server(config: ServerConfig) -> RunningServer:
             ],
         )
         pegaflow_pb2_grpc.add_EngineServicer_to_server(
-            EngineServicer(engine, server.fd_socket_path, server.metrics), server.grpc_server
+            EngineServicer(engine, server.fd_socket_path, server.metrics, gpu=server.gpu), server.grpc_server
         )
         server.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(server.health, server.grpc_server)
@@ -136,7 +155,7 @@ def start_server(config: ServerConfig) -> RunningServer:
             raise OSError(f"cannot listen for gRPC on {config.addr}: {exc}") from exc
         if port == 0:
             raise OSError(f"cannot listen for gRPC on {config.addr}")
-        server.address = f"{host}:{port}"
+        server.address = format_host_port(host, port)
         server.grpc_server.start()
 
         if config.http_addr is not None:

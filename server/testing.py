@@ -37,11 +37,15 @@ class ServerProcess:
         http_addr: str | None = "127.0.0.1:0",
         start_timeout_s: float = 60.0,
         env: dict[str, str] | None = None,
+        launcher: list[str] | tuple[str, ...] = (),
     ):
+        """``launcher`` prefixes the command line (e.g. an ``unshare`` wrapper that mounts a pool dir)."""
         self.workdir = pathlib.Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.args = [sys.executable, "-m", "pegaflow.server.main", "--pool-size", pool_size, "--addr", addr]
-        self.args += ["--http-addr", http_addr] if http_addr else []
+        self.args = [*launcher, sys.executable, "-m", "pegaflow.server.main", "--pool-size", pool_size]
+        self.args += ["--addr", addr]
+        # The CLI always serves /metrics; "no HTTP wanted" still needs a free port, never the default one.
+        self.args += ["--http-addr", http_addr or "127.0.0.1:0"]
         self.args += list(extra_args)
         self.start_timeout_s = start_timeout_s
         self.env = env

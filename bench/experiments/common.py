@@ -26,7 +26,8 @@ def make_workdir(requested: str | None, experiment: str) -> pathlib.Path:
         path.mkdir(parents=True, exist_ok=True)
         return path
     base = os.environ.get("TEST_TMPDIR") or tempfile.gettempdir()
-    return pathlib.Path(tempfile.mkdtemp(prefix=f"pegaflow-bench-{experiment}-", dir=base))
+    # Short: vLLM puts ZMQ sockets (107-byte path limit) a few levels below it.
+    return pathlib.Path(tempfile.mkdtemp(prefix=f"pfb-{experiment}-", dir=base))
 
 
 def window_covering(windows: dict[str, float] | list[str], seconds: float) -> str | None:

@@ -33,8 +33,8 @@ import time
 
 from pegaflow.bench.experiments.common import Stopwatch, make_workdir, say, window_covering
 from pegaflow.bench.harness import cachesim, connector_config, loadgen, models, results, traces
-from pegaflow.bench.harness.pegaflow_proc import PegaflowServerProcess
-from pegaflow.bench.harness.procs import mem_available_bytes
+from pegaflow.bench.harness.pegaflow_proc import PegaflowServerProcess, free_local_addr, get_stats
+from pegaflow.bench.harness.procs import machine_busy_cpu_seconds, mem_available_bytes
 from pegaflow.bench.harness.vllm_fleet import CpuPlacement, VllmConfig, VllmFleet, counters_delta
 from pegaflow.tools.vllm_cpu.tiny_model import TinyModelSpec
 
@@ -121,7 +121,7 @@ REGRESSION = Setup(
     think_time_s=0.3,
     vllm_kv_cache_bytes=256 * MIB,
     max_model_len=4096,
-    ready_timeout_s=240.0,
+    ready_timeout_s=480.0,
     max_run_s=600.0,
 )
 
@@ -189,6 +189,32 @@ def _pool_layout(arm: str, setup: Setup, budget: dict) -> tuple[int, int, bool]:
     raise ValueError(f"unknown arm {arm!r}; known: shared, isolated, isolated-servers")
 
 
+def _cpu_snapshot(fleet: VllmFleet, servers: list[PegaflowServerProcess]) -> dict:
+    return {
+        "vllm": fleet.cpu_seconds(),
+        "servers": [s.cpu_seconds() for s in servers],
+        "machine_busy": machine_busy_cpu_seconds(),
+    }
+
+
+def _cpu_delta(before: dict, after: dict, locust_summary: dict) -> dict:
+    """Where the machine's CPU went while the trace ran: our vLLM trees, pegaflow-servers, the
+    locust process, and everything else on the machine (other users of a shared box)."""
+    vllm = [a - b for a, b in zip(after["vllm"], before["vllm"], strict=True)]
+    servers = [a - b for a, b in zip(after["servers"], before["servers"], strict=True)]
+    # locust started after the "before" snapshot and exited before "after": its whole life counts.
+    load = locust_summary["process_cpu_user_s"] + locust_summary["process_cpu_system_s"]
+    busy = after["machine_busy"] - before["machine_busy"]
+    return {
+        "vllm_total": sum(vllm),
+        "vllm_per_instance": vllm,
+        "pegaflow_servers": sum(servers),
+        "locust": load,
+        "machine_busy": busy,
+        "other_processes": busy - sum(vllm) - sum(servers) - load,
+    }
+
+
 def run_arm(
     arm: str,
     setup: Setup,
@@ -209,6 +235,7 @@ def run_arm(
     pools, pool_bytes, server_owned = _pool_layout(arm, setup, budget)
     clock = Stopwatch()
     servers: list[PegaflowServerProcess] = []
+    engine_addrs: list[str] = []
     try:
         if server_owned:
             for k in range(pools):
@@ -222,7 +249,9 @@ def run_arm(
             kv_configs = [connector_config.shared_pool(servers[i % pools].addr, timeouts) for i in range(n)]
         else:
             server_ready_s = []
-            kv_configs = [connector_config.embedded_pool(pool_bytes, timeouts)] * n
+            # Each embedded engine serves its GetStats on a port of ours, read before the fleet stops.
+            engine_addrs = [free_local_addr() for _ in range(n)]
+            kv_configs = [connector_config.embedded_pool(pool_bytes, timeouts, addr) for addr in engine_addrs]
         vcfgs = [
             VllmConfig(
                 model=str(model_dir),
@@ -240,6 +269,7 @@ def run_arm(
             say(f"{arm}: instances ready in {', '.join(f'{r:.1f}' for r in ready)} s")
             loadgen.run_warmup(fleet.endpoints, model_name)
             before = fleet.counters()
+            cpu_before = _cpu_snapshot(fleet, servers)
             load = loadgen.run_trace(
                 trace,
                 fleet.endpoints,
@@ -250,9 +280,10 @@ def run_arm(
                 label=arm,
                 think_time_s=setup.think_time_s,
             )
+            cpu = _cpu_delta(cpu_before, _cpu_snapshot(fleet, servers), load.summary)
             after = fleet.counters()
             memory = fleet.memory()
-            server_stats = [s.stats() for s in servers]
+            pool_stats = [s.stats() for s in servers] or [get_stats(a) for a in engine_addrs]
             server_memory = [s.memory() for s in servers]
     finally:
         for s in servers:
@@ -274,22 +305,23 @@ def run_arm(
         "vllm_memory": memory,
         "locust": load.summary,
         "locust_exit_code": load.locust_exit_code,
+        "cpu_seconds_during_trace": cpu,
         "wall_s": clock.elapsed(),
         "records": load.records,
     }
-    if server_stats:
-        arm_result["server_stats"] = server_stats
+    if pool_stats:
+        arm_result["pool_stats"] = pool_stats
         arm_result["server_memory"] = server_memory
-        window = window_covering(server_stats[0].get("measured_hit_rate", {}), clock.elapsed())
+        window = window_covering(pool_stats[0].get("measured_hit_rate", {}), clock.elapsed())
         arm_result["hll_window"] = window
         # Per pool: the ceiling of the block stream that pool saw, next to its measured hit rate.
-        arm_result["hll_ceiling_per_pool"] = [st.get("hll_ceiling", {}).get(window) for st in server_stats]
-        arm_result["server_hit_rate_per_pool"] = [
-            st.get("measured_hit_rate", {}).get(window) for st in server_stats
+        arm_result["hll_ceiling_per_pool"] = [st.get("hll_ceiling", {}).get(window) for st in pool_stats]
+        arm_result["pool_hit_rate_per_pool"] = [
+            st.get("measured_hit_rate", {}).get(window) for st in pool_stats
         ]
         if pools == 1:
             arm_result["hll_ceiling"] = arm_result["hll_ceiling_per_pool"][0]
-            arm_result["server_hit_rate"] = arm_result["server_hit_rate_per_pool"][0]
+            arm_result["pool_hit_rate"] = arm_result["pool_hit_rate_per_pool"][0]
     return arm_result
 
 
@@ -450,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     arms = tuple(a.strip() for a in args.arms.split(",") if a.strip())
     if not arms or set(arms) - set(ALL_ARMS):
         ap.error(f"--arms: choose from {', '.join(ALL_ARMS)}, got {args.arms!r}")
-    workdir = make_workdir(args.workdir, "multi-instance")
+    workdir = make_workdir(args.workdir, "mi")
     out = args.out or workdir
     need = setup.num_instances * instance_footprint(setup) + MEMORY_HEADROOM
     if mem_available_bytes() < need:

@@ -92,7 +92,7 @@ class _Run:
         self.model_name = opts.model_name
         self.trace = Trace.load(opts.trace)
         self.dispatcher = TraceDispatcher(self.trace, self._all_done)
-        self.request_log = open(opts.request_log, "w")  # noqa: SIM115 (closed at quit)
+        self.request_log = open(opts.request_log, "w")  # closed in write_summary, at quit
         self.summary_path = opts.summary
         self.wall_start = time.time()
 

@@ -6,13 +6,14 @@ ready, GetStats as plain values, memory of the process."""
 from __future__ import annotations
 
 import pathlib
+import socket
 import time
 from collections.abc import Mapping, Sequence
 
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
 
-from pegaflow.bench.harness.procs import tree_memory
+from pegaflow.bench.harness.procs import tree_cpu_seconds, tree_memory
 from pegaflow.proto import pegaflow_pb2, pegaflow_pb2_grpc
 from pegaflow.server.testing import ServerProcess
 
@@ -58,11 +59,10 @@ class PegaflowServerProcess:
         return self.ready_s
 
     def stats(self) -> dict:
-        """GetStats as plain values (field names as in the proto), hll_ceiling per window included."""
-        with grpc.insecure_channel(self.addr) as channel:
-            stub = pegaflow_pb2_grpc.EngineStub(channel)
-            resp = stub.GetStats(pegaflow_pb2.GetStatsRequest(), timeout=STATS_TIMEOUT_S)
-        return message_to_plain(resp)
+        return get_stats(self.addr)
+
+    def cpu_seconds(self) -> float:
+        return tree_cpu_seconds(self.server.proc.pid) if self.server.alive() else 0.0
 
     def memory(self) -> dict:
         return tree_memory(self.server.proc.pid) if self.server.alive() else {}
@@ -75,6 +75,22 @@ class PegaflowServerProcess:
 
     def __exit__(self, *_exc) -> None:
         self.stop()
+
+
+def get_stats(addr: str) -> dict:
+    """GetStats of the engine at addr (a pegaflow-server, or an embedded engine's gRPC service) as
+    plain values, field names as in the proto, hll_ceiling and measured_hit_rate per window."""
+    with grpc.insecure_channel(addr) as channel:
+        stub = pegaflow_pb2_grpc.EngineStub(channel)
+        resp = stub.GetStats(pegaflow_pb2.GetStatsRequest(), timeout=STATS_TIMEOUT_S)
+    return message_to_plain(resp)
+
+
+def free_local_addr() -> str:
+    """ "127.0.0.1:<port>" with a port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def message_to_plain(msg) -> dict:

@@ -17,16 +17,17 @@ MIB = 1 << 20
 GIB = 1 << 30
 
 
-def _label_bars(ax, bars, fmt: str) -> None:
+def _label_bars(ax, bars, fmt: str, inside: bool = False) -> None:
     for bar in bars:
         h = bar.get_height()
         ax.annotate(
             fmt.format(h),
-            (bar.get_x() + bar.get_width() / 2, h),
+            (bar.get_x() + bar.get_width() / 2, h / 2 if inside else h),
             ha="center",
-            va="bottom",
-            fontsize=8,
-            xytext=(0, 2),
+            va="center" if inside else "bottom",
+            fontsize=9 if inside else 8,
+            color="white" if inside else "black",
+            xytext=(0, 0 if inside else 2),
             textcoords="offset points",
         )
 
@@ -68,7 +69,7 @@ def multi_instance_figure(report: dict, path: pathlib.Path) -> None:
         (axes[3], "block_hit_rate", "block hit rate"),
     ):
         bars = ax.bar(labels, [s[key] or 0, i[key] or 0], color=colors)
-        _label_bars(ax, bars, "{:.1%}")
+        _label_bars(ax, bars, "{:.1%}", inside=True)
         model = budget.get("lru_model")
         if model:
             ax.scatter(
@@ -80,19 +81,23 @@ def multi_instance_figure(report: dict, path: pathlib.Path) -> None:
                 zorder=3,
                 label="LRU replay model",
             )
-            ax.legend(loc="upper right", fontsize=7)
+            ax.legend(loc="lower center", fontsize=7, bbox_to_anchor=(0.5, -0.42))
         ax.set_ylim(0, 1.05)
         ax.set_title(title)
-    ceiling = shared.get("hll_ceiling")
-    if ceiling is not None:
-        axes[3].axhline(ceiling, color="black", linestyle="--", linewidth=1)
-        axes[3].annotate(
-            f"HLL ceiling {ceiling:.1%}",
-            (0.5, ceiling),
-            xycoords=("axes fraction", "data"),
-            ha="center",
-            va="bottom",
-        )
+    for value, text, style in (
+        (shared.get("hll_ceiling"), "server HLL ceiling", "--"),
+        (budget.get("exact_ceiling"), "trace's exact ceiling", ":"),
+    ):
+        if value is not None:
+            axes[3].axhline(value, color="black", linestyle=style, linewidth=1)
+            axes[3].annotate(
+                f"{text} {value:.1%}",
+                (0.02, value),
+                xycoords=("axes fraction", "data"),
+                ha="left",
+                va="bottom",
+                fontsize=7,
+            )
     cmp = report["comparison"]
     gain = cmp.get("throughput_gain")
     ttft = cmp.get("ttft_mean_change")

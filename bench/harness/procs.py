@@ -124,5 +124,33 @@ def tree_memory(pid: int) -> dict:
     return {"processes": len(procs), "rss_bytes": rss, "pss_bytes": pss}
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of the process and its live descendants so far."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            t = p.cpu_times()
+            total += t.user + t.system
+    return total
+
+
+def machine_busy_cpu_seconds() -> float:
+    """CPU seconds every core of the machine spent not idle, since boot (all processes)."""
+    t = psutil.cpu_times()
+    return (
+        t.user
+        + t.nice
+        + t.system
+        + getattr(t, "irq", 0.0)
+        + getattr(t, "softirq", 0.0)
+        + getattr(t, "steal", 0.0)
+    )
+
+
 def mem_available_bytes() -> int:
     return psutil.virtual_memory().available

@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 
-from pegaflow.bench.harness.procs import tree_memory
+from pegaflow.bench.harness.procs import tree_cpu_seconds, tree_memory
 from pegaflow.tools.vllm_cpu.launcher import VllmServer
 
 
@@ -113,13 +113,32 @@ def counters_delta(before: Mapping[str, float], after: Mapping[str, float]) -> d
     return {k: after[k] - before.get(k, 0.0) for k in after}
 
 
+# vLLM binds ZMQ IPC sockets at $TMPDIR/<uuid4>; a Unix socket path holds at most 107 bytes.
+_UNIX_PATH_MAX = 107
+_ZMQ_SOCKET_NAME_LEN = 1 + 36
+
+
+def check_socket_room(workdir: pathlib.Path) -> None:
+    """Fails early, and clearly, when vLLM's sockets under this work dir would not fit (vLLM would
+    die half-way through start-up with a ZMQError)."""
+    tmp = workdir.resolve() / "tmp"  # launcher.vllm_env's TMPDIR
+    if len(str(tmp).encode()) + _ZMQ_SOCKET_NAME_LEN > _UNIX_PATH_MAX:
+        raise ValueError(
+            f"work dir {workdir} is too deep: vLLM's IPC sockets under {tmp} would exceed "
+            f"{_UNIX_PATH_MAX} bytes; use a shorter --workdir"
+        )
+
+
 class VllmFleet:
     """Instances of one or more configs, launched together; a context manager that always stops
     every process tree it started."""
 
     def __init__(self, configs: Sequence[VllmConfig], run_dir: pathlib.Path, name_prefix: str = "vllm"):
         self.configs = list(configs)
-        self.servers = [cfg.server(run_dir / f"{name_prefix}{i}") for i, cfg in enumerate(self.configs)]
+        workdirs = [run_dir / f"{name_prefix}{i}" for i in range(len(self.configs))]
+        for w in workdirs:
+            check_socket_room(w)
+        self.servers = [cfg.server(w) for cfg, w in zip(self.configs, workdirs, strict=True)]
         self.ready_s: list[float] = []
 
     @property
@@ -145,6 +164,9 @@ class VllmFleet:
 
     def counters(self) -> list[dict[str, float]]:
         return [vllm_counters(s.metrics()) for s in self.servers]
+
+    def cpu_seconds(self) -> list[float]:
+        return [tree_cpu_seconds(s.proc.pid) if s.proc is not None else 0.0 for s in self.servers]
 
     def memory(self) -> list[dict]:
         return [tree_memory(s.proc.pid) if s.proc is not None else {} for s in self.servers]

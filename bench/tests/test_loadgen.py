@@ -35,8 +35,9 @@ SPEC = TraceSpec(
 class StreamingServer:
     """Answers POST /v1/completions with a token stream: the first token after
     FIRST_TOKEN_DELAY_S, the second DECODE_GAP_S later, then a usage chunk whose cached_tokens is
-    half the prompt. Prompts listed in `fail_prompts` get HTTP 500. Records arrival and end times
-    (time.monotonic of this process) per prompt."""
+    half the prompt. Prompts listed in `fail_prompts` get HTTP 500. Records per prompt when its
+    request arrived and when the last bytes of its answer were about to be sent (time.monotonic of
+    this process)."""
 
     def __init__(self, fail_prompts=()):
         self.fail_prompts = {tuple(p) for p in fail_prompts}
@@ -84,11 +85,12 @@ class StreamingServer:
                     "prompt_tokens_details": {"cached_tokens": len(prompt) // 2},
                 }
                 event({"choices": [], "usage": usage})
+                # Taken before the last bytes leave: the client cannot have finished reading earlier.
+                with outer.lock:
+                    outer.ends[prompt] = time.monotonic()
                 event("[DONE]")
                 self.wfile.write(b"0\r\n\r\n")
                 self.wfile.flush()
-                with outer.lock:
-                    outer.ends[prompt] = time.monotonic()
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True

@@ -23,7 +23,7 @@ LAYOUT = KvLayout(model_id="m", block_bytes=BLOCK, dtype="bfloat16", block_token
 pytestmark = pytest.mark.timeout(180)
 
 
-def wait_for(predicate, timeout_s: float = 30.0):
+def wait_for(predicate, timeout_s: float = 60.0):
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
@@ -39,6 +39,7 @@ def inproc_server(tmp_path):
             addr="127.0.0.1:0",
             http_addr=None,
             fd_socket_path=str(tmp_path / "pool.sock"),
+            session_ttl_s=30.0,  # robust on a loaded machine; a closed pool connection still ends a session
         )
     )
     yield srv
@@ -146,13 +147,31 @@ def test_close_ends_the_session_and_frees_its_state(inproc_server):
 def test_the_session_is_replaced_when_the_server_forgets_it(inproc_server):
     with PegaClient(inproc_server.address, timeout_s=5.0) as c:
         inst = c.register_instance(LAYOUT)
-        first = c.session_id
-        inproc_server.engine.close_session(first)  # as if it had expired
-        with pytest.raises(errors.SessionLost):
-            c.query_prefix(inst, [b"a"])
+        first, first_instance = c.session_id, inst.instance_id
+        inproc_server.engine.close_session(
+            first
+        )  # as if it had expired: the server also drops its pool socket
         wait_for(lambda: c.connected and inst.registered and c.session_id != first)
+        assert inst.instance_id != first_instance
         assert c.epoch == inproc_server.epoch  # same server, same pool
         assert roundtrip(c, inst, "after-session-loss")
+
+
+def test_an_unknown_session_maps_to_session_lost(inproc_server):
+    import grpc
+
+    from pegaflow.client import rpc_codec
+    from pegaflow.proto import pegaflow_pb2 as pb
+    from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(inproc_server.address) as channel:
+        stub = pb_grpc.EngineStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Heartbeat(pb.HeartbeatRequest(session_id="s-gone"), timeout=5)
+        with pytest.raises(grpc.RpcError) as lease_info:
+            stub.ReleaseLease(pb.ReleaseLeaseRequest(session_id="s-gone", lease_id="l-x"), timeout=5)
+    assert isinstance(rpc_codec.translate(info.value, "Heartbeat"), errors.SessionLost)
+    assert rpc_codec.needs_reconnect(rpc_codec.translate(lease_info.value, "ReleaseLease"))
 
 
 def test_async_client_roundtrip_and_reconnect(tmp_path):
@@ -183,7 +202,7 @@ def test_async_client_roundtrip_and_reconnect(tmp_path):
             with pytest.raises(errors.ServerUnavailable):
                 await c.query_prefix(inst, hashes)
             srv.start()
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 60
             while not (c.connected and inst.registered and c.epoch == srv.epoch):
                 assert time.monotonic() < deadline, "no reconnect"
                 await asyncio.sleep(0.05)
@@ -231,3 +250,28 @@ def test_backoff_grows_jittered_and_caps():
     assert max(delays[:2]) <= 0.2 and min(delays[5:]) >= 0.5
     b.reset()
     assert b.next() <= 0.1
+
+
+def test_async_calls_end_at_their_deadline_and_leak_nothing(inproc_server):
+    async def scenario():
+        async with AsyncPegaClient(inproc_server.address, timeout_s=5.0) as c:
+            inst = await c.register_instance(LAYOUT)
+            lock = inproc_server.engine._lock
+            lock.acquire()  # the server cannot serve anything that needs the engine
+            try:
+                with pytest.raises(errors.DeadlineExceeded):
+                    await c.allocate(inst, [b"late"], timeout_s=0.3)
+                with pytest.raises(errors.DeadlineExceeded):
+                    await c.query_prefix(inst, [b"late"], lease=True, timeout_s=0.3)
+            finally:
+                lock.release()
+            assert c.connected
+            deadline = time.monotonic() + 60
+            while True:
+                stats = await c.stats()
+                if stats.writing_blocks == 0 and stats.live_leases == 0:
+                    break
+                assert time.monotonic() < deadline, stats
+                await asyncio.sleep(0.05)
+
+    asyncio.run(scenario())

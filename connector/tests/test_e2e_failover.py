@@ -26,6 +26,7 @@ from pegaflow.connector.tests.e2e_support import (
     start_vllm,
     warm_up,
 )
+from pegaflow.connector.tests.support import sigstop
 from pegaflow.server.testing import ServerProcess, free_port
 from pegaflow.tools.vllm_cpu.tiny_model import TinyModelSpec, ensure_tiny_model
 
@@ -144,7 +145,7 @@ def test_a_stopped_server_delays_requests_by_a_bounded_time(setup):
     stats = PegaClient(server.addr, timeout_s=5.0, name="e2e-stats", map_pool=False)
     prompts = [prompt(next(_seeds)) for _ in range(3)]
     expected = [vllm.complete(p, max_tokens=MAX_TOKENS).token_ids for p in prompts]
-    os.kill(server.proc.pid, signal.SIGSTOP)
+    sigstop(server.proc.pid)
     try:
         with Traffic(vllm, prompts + [prompt(next(_seeds))]) as traffic:
             time.sleep(4.0)

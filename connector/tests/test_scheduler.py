@@ -196,18 +196,44 @@ def test_finished_requests_keep_their_blocks_only_if_they_saved():
     assert conn.request_finished(request("never", 400)) is False
 
 
-def test_failed_load_rolls_back_and_saves_again_after_the_recompute():
+def test_blocks_computed_in_a_loading_step_are_saved_one_step_later():
     req = request("j", 1000)
     store = Store(req.block_hashes[:3])
     conn = SchedulerConnector(block_size=BS, lookup=store, loads=True, saves=True)
     assert admit(conn, req, range(8)) == 3 * BS
     m1 = conn.build_meta(step(new=[(req, range(8), 384)], scheduled={"j": 616}))
     assert [t.block_ids for t in m1.loads] == [[0, 1, 2]]
-    assert [s.block_ids for s in m1.saves] == [[3, 4, 5, 6]]
-    # the worker reported block 1 failed: vLLM truncated the request to block 1 and
-    # recomputes from there; blocks 1.. are saved again once recomputed
+    # blocks 3..6 are computed in this step, over the loaded KV: not saved until the
+    # workers' load reports are in (under TP one rank's failure corrupts every rank)
+    assert m1.saves == []
+    m2 = conn.build_meta(step(cached=[("j", None, 1000)], scheduled={"j": 1}))
+    assert [s.block_ids for s in m2.saves] == [[3, 4, 5, 6]]
+
+
+def test_failed_load_rolls_back_and_saves_again_after_the_recompute():
+    req = request("j", 1000)
+    store = Store(req.block_hashes[:3])
+    conn = SchedulerConnector(block_size=BS, lookup=store, loads=True, saves=True)
+    assert admit(conn, req, range(8)) == 3 * BS
+    m1 = conn.build_meta(step(new=[(req, range(8), 384)], scheduled={"j": 616}))
+    assert [t.block_ids for t in m1.loads] == [[0, 1, 2]] and m1.saves == []
+    # a worker reported block 1 failed: vLLM truncated the request to block 1 and
+    # recomputes from there; blocks 1.. are saved once recomputed, nothing before
     m2 = conn.build_meta(step(cached=[("j", None, 128)], scheduled={"j": 872}))
     assert [s.block_ids for s in m2.saves] == [[1, 2, 3, 4, 5, 6]]
+
+
+def test_a_request_finishing_in_its_loading_step_still_saves_its_new_blocks():
+    req = request("o", 1000)
+    store = Store(req.block_hashes[:2])
+    conn = SchedulerConnector(block_size=BS, lookup=store, loads=True, saves=True)
+    admit(conn, req, range(8))
+    m1 = conn.build_meta(step(new=[(req, range(8), 256)], scheduled={"o": 744}))
+    assert m1.loads and m1.saves == []
+    assert conn.request_finished(req) is True  # vLLM keeps its blocks for the save
+    m2 = conn.build_meta(step())
+    assert [s.block_ids for s in m2.saves] == [[2, 3, 4, 5, 6]]
+    assert m2.delayed_free_req_ids == ["o"]
 
 
 def test_preempted_and_resumed_requests():

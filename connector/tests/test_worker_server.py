@@ -24,6 +24,7 @@ from pegaflow.connector.tests.support import (
     layout,
     load_meta,
     save_and_wait,
+    sigstop,
     step,
     wait_for,
     worker,
@@ -205,9 +206,10 @@ def test_server_killed_then_restarted_recovers_without_restarting_the_engine(tmp
 
 
 def test_a_stopped_server_stalls_one_step_at_most_the_documented_bound(server):
-    # rpc_timeout is far above the bound: if a call on the step's path used it instead of
-    # the lookup/load deadlines, the step would take 30 s and fail the check below
-    cfg = config(server.addr, rpc_timeout_s=30.0, retry_interval_s=0.2)
+    # the documented defaults on the step's path; rpc_timeout far above the bound: if a call
+    # on the step's path used it instead of the lookup/load deadlines, the step would take
+    # 30 s and fail the check below
+    cfg = config(server.addr, lookup_timeout_s=0.2, load_timeout_s=0.5, rpc_timeout_s=30.0)
     caches = kv_caches(seed=8)
     a = worker(cfg, layout(), caches, "a")
     link, lookup = lookup_for(cfg, layout())
@@ -215,7 +217,7 @@ def test_a_stopped_server_stalls_one_step_at_most_the_documented_bound(server):
         attached(a, link)
         hs = hashes("stall", 4)
         save_and_wait(a, "r1", [0, 1, 2, 3], hs)
-        os.kill(server.proc.pid, signal.SIGSTOP)
+        sigstop(server.proc.pid)
         try:
             # one engine step: the scheduler's lookup, then the worker's load
             t0 = time.monotonic()
@@ -238,7 +240,7 @@ def test_a_stopped_server_stalls_one_step_at_most_the_documented_bound(server):
         finally:
             os.kill(server.proc.pid, signal.SIGCONT)
         attached(a, link)  # the probe closes the breaker once the server answers
-        assert lookup(hs) == 4
+        wait_for(lambda: lookup(hs) == 4)
     finally:
         a.shutdown(), link.close()
 
@@ -251,7 +253,7 @@ def test_preemption_cancels_a_save_that_has_not_copied_yet(server):
     try:
         attached(a, link)
         hs = hashes("preempted", 2)
-        os.kill(server.proc.pid, signal.SIGSTOP)
+        sigstop(server.proc.pid)
         stopped = True
         try:
             step(a, PegaConnectorMetadata(saves=[BlockTransfer("r1", [4, 5], hs)]))

@@ -73,7 +73,8 @@ class CopyFailed(RuntimeError):
 class CopyResult:
     nbytes: int
     mode: str  # "direct" | "staged"
-    queued_s: float  # submit -> launch
+    queued_s: float  # submit -> launch started
+    launch_s: float  # CPU time spent enqueueing the launches and copies
     total_s: float  # submit -> completion seen
 
 
@@ -95,7 +96,9 @@ class _Job:
     submitted: float
     start_by: float | None  # time.monotonic() after which the copy must not start
     nbytes: int
+    on_launch: threading.Event | None = None  # set once the job is enqueued on the GPU (or dropped)
     launched: float = 0.0
+    launch_done: float = 0.0
     used_mode: str = ""
 
 
@@ -215,6 +218,8 @@ class _Lane:
             entry = self.copier._layout_for(job.key)
             late = job.start_by is not None and time.monotonic() > job.start_by
             if entry is None or late or not job.future.set_running_or_notify_cancel():
+                if job.on_launch is not None:
+                    job.on_launch.set()
                 self.copier._job_finished(job)
                 if not job.future.done():
                     why = (
@@ -229,11 +234,16 @@ class _Lane:
                 event = self.rt.eventCreateWithFlags(cuda_runtime.EVENT_DISABLE_TIMING)
                 done_stream = self._launch(job, entry)
                 self.rt.eventRecord(event, done_stream)
+                job.launch_done = time.perf_counter()
             except Exception as exc:
+                if job.on_launch is not None:
+                    job.on_launch.set()
                 log.exception("%s: launching a copy failed", self.name)
                 self.copier._job_finished(job)
                 job.future.set_exception(CopyFailed(f"launching the copy failed: {exc}"))
                 continue
+            if job.on_launch is not None:
+                job.on_launch.set()
             self._launched.put((job, event))
 
     def _upload(self, arrays: list[np.ndarray]) -> int:
@@ -355,7 +365,13 @@ class _Lane:
             else:
                 now = time.perf_counter()
                 job.future.set_result(
-                    CopyResult(job.nbytes, job.used_mode, job.launched - job.submitted, now - job.submitted)
+                    CopyResult(
+                        job.nbytes,
+                        job.used_mode,
+                        job.launched - job.submitted,
+                        job.launch_done - job.launched,
+                        now - job.submitted,
+                    )
                 )
 
     # -- caller side -------------------------------------------------------------
@@ -485,13 +501,16 @@ class DeviceCopier:
         host_offsets,
         mode: str = "auto",
         start_by: float | None = None,
+        on_launch: threading.Event | None = None,
     ) -> concurrent.futures.Future:
         """Queues the copy of blocks ``block_ids`` of ``key`` to/from pool offsets ``host_offsets``.
 
         A job still queued at ``start_by`` (time.monotonic()) is cancelled instead
         of started late. Raises ValueError for ids or offsets outside the
         registered memory and CopyCancelled when ``key`` is unknown (never
-        registered, or retired).
+        registered, or retired). ``on_launch`` is set once the copy is enqueued
+        on the GPU (or dropped): a caller preparing the next job can wait for
+        it, so the two never compete for the GIL while the GPU idles.
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -514,10 +533,13 @@ class DeviceCopier:
             time.perf_counter(),
             start_by,
             ids.size * entry.layout.block_bytes,
+            on_launch,
         )
         if ids.size == 0:
+            if on_launch is not None:
+                on_launch.set()
             fut.set_running_or_notify_cancel()
-            fut.set_result(CopyResult(0, "none", 0.0, 0.0))
+            fut.set_result(CopyResult(0, "none", 0.0, 0.0, 0.0))
             return fut
         with self._lock:
             if key not in self._layouts:

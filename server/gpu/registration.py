@@ -108,6 +108,7 @@ class DeviceHandle:
         self.registration = registration
         self._lock = threading.Lock()
         self._registration_id = ""
+        self.doorbell = None  # doorbell.DoorbellClient of the server's local fast path, when it offers one
 
     @property
     def registration_id(self) -> str:
@@ -118,9 +119,14 @@ class DeviceHandle:
     def registered(self) -> bool:
         return bool(self._registration_id)
 
-    def _set(self, registration_id: str) -> None:
+    def _set(self, registration_id: str, doorbell_path: str = "") -> None:
+        from pegaflow.server.gpu.doorbell import DoorbellClient
+
         with self._lock:
             self._registration_id = registration_id
+            old, self.doorbell = self.doorbell, DoorbellClient(doorbell_path) if doorbell_path else None
+        if old is not None:
+            old.close()
 
     def __repr__(self) -> str:
         return f"DeviceHandle({self._registration_id or '<unregistered>'}, {self.registration.device_uuid})"

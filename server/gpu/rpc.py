@@ -37,8 +37,9 @@ def handle_register(gpu, req: pb.RegisterDeviceMemoryRequest, deadline: float):
     session_id = check.ident(req.session_id, "session_id")
     instance_id = check.ident(req.instance_id, "instance_id")
     reg = registration_from_proto(req)
-    reg_id = _require(gpu).register(session_id, instance_id, reg, deadline)
-    return pb.RegisterDeviceMemoryResponse(registration_id=reg_id)
+    gpu = _require(gpu)
+    reg_id = gpu.register(session_id, instance_id, reg, deadline)
+    return pb.RegisterDeviceMemoryResponse(registration_id=reg_id, doorbell_socket_path=gpu.doorbell_path)
 
 
 def handle_unregister(gpu, req: pb.UnregisterDeviceMemoryRequest, deadline: float):
@@ -52,7 +53,8 @@ def handle_save(gpu, req: pb.SaveFromDeviceRequest, deadline: float, config: Ser
     session_id = check.ident(req.session_id, "session_id")
     reg_id = check.ident(req.registration_id, "registration_id")
     hashes = check.block_hashes(req.block_hashes, config)
-    out = _require(gpu).save(session_id, reg_id, hashes, _block_ids(req.block_ids, hashes), deadline)
+    block_ids = _block_ids(req.block_ids, hashes)  # malformed input is INVALID_ARGUMENT on any server
+    out = _require(gpu).save(session_id, reg_id, hashes, block_ids, deadline)
     return pb.SaveFromDeviceResponse(statuses=[int(s) for s in out.statuses], written=out.written)
 
 
@@ -60,5 +62,6 @@ def handle_load(gpu, req: pb.LoadToDeviceRequest, deadline: float, config: Serve
     session_id = check.ident(req.session_id, "session_id")
     reg_id = check.ident(req.registration_id, "registration_id")
     hashes = check.block_hashes(req.block_hashes, config)
-    out = _require(gpu).load(session_id, reg_id, hashes, _block_ids(req.block_ids, hashes), deadline)
+    block_ids = _block_ids(req.block_ids, hashes)
+    out = _require(gpu).load(session_id, reg_id, hashes, block_ids, deadline)
     return pb.LoadToDeviceResponse(num_hits=out.num_hits)

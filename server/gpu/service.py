@@ -24,11 +24,13 @@ a future, and the GIL is released while the GPU works.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
 import os
 import secrets
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -46,11 +48,14 @@ from pegaflow.server.gpu.device_copier import (
     CopyFailed,
     DeviceCopier,
 )
+from pegaflow.server.gpu.doorbell import DoorbellServer
 from pegaflow.server.gpu.ipc import IpcError, IpcMappings, PinnedHostRegion
 from pegaflow.server.gpu.kernels import KernelConfig
 from pegaflow.server.gpu.registration import DeviceRegistration
 
 log = logging.getLogger(__name__)
+# Per-request phase timings at DEBUG (enable this logger alone to see where a request's time goes).
+timing_log = logging.getLogger("pegaflow.server.gpu.timing")
 
 # A load is only started if it can finish before the caller's deadline at this share of the link
 # (55 GB/s on an H200 host), plus a fixed allowance for queueing and launch.
@@ -67,6 +72,9 @@ class GpuOptions:
     staged_min_run_bytes: int = DEFAULT_STAGED_MIN_RUN_BYTES
     kernel: KernelConfig = dataclasses.field(default_factory=KernelConfig)
     retire_timeout_s: float = 30.0
+    # The local fast path for saves and loads (doorbell.py); doorbell_path None: a fresh temp path.
+    doorbell: bool = True
+    doorbell_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.copy_mode not in MODES:
@@ -114,13 +122,29 @@ class GpuDataPath:
         self._copiers: dict[int, DeviceCopier] = {}
         self._regs: dict[str, _Registration] = {}
         self._closed = False
+        # Lease releases after loads run here, off the copier threads and off the callers' critical path.
+        self._housekeeping = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="pegaflow-gpu-release"
+        )
+        self._doorbell: DoorbellServer | None = None
         try:
             self._session = engine.open_session(
                 "pegaflow-gpu-datapath", pid=os.getpid(), expires=False
             ).session_id
+            if self.options.doorbell:
+                path = self.options.doorbell_path or os.path.join(
+                    tempfile.gettempdir(), f"pegaflow-gpu-{os.getpid()}-{engine.epoch}.sock"
+                )
+                cfg = engine.config
+                self._doorbell = DoorbellServer(path, self, cfg.max_batch_blocks, cfg.max_hash_bytes)
         except Exception:
             self._pinned.close()
             raise
+
+    @property
+    def doorbell_path(self) -> str:
+        """The Unix socket of the local fast path ("" when off)."""
+        return self._doorbell.path if self._doorbell is not None else ""
 
     # -------------------------------------------------------------- registration
 
@@ -231,12 +255,16 @@ class GpuDataPath:
         The request is cut into chunks (a small first one, so the GPU starts
         early): while one chunk copies, the next is allocated, and each chunk is
         sealed as soon as its own copy completes, so only the last, small seal
-        is left after the last byte arrives.
+        is left after the last byte arrives. The next chunk is allocated only
+        once the previous one is enqueued on the GPU: allocating (Python, under
+        the GIL) while the copier thread tries to launch would hold the launch
+        back and leave the GPU idle.
         """
+        t0 = time.perf_counter()
         reg = self._get(session_id, reg_id)
         _check_ids(hashes, block_ids, reg.layout)
         engine, copier = self._engine, self._copiers[reg.ordinal]
-        tracker = _Countdown()
+        tracker = _Countdown(timing_log.isEnabledFor(logging.DEBUG))
         statuses: list[AllocStatus] = []
         try:
             for lo, hi in _save_chunks(len(hashes)):
@@ -255,20 +283,32 @@ class GpuDataPath:
                         for b, st in zip(block_ids[lo:hi], alloc.statuses, strict=True)
                         if st == AllocStatus.GRANTED
                     ]
+                    launched = threading.Event()
                     future = copier.submit(
-                        reg.id, True, granted, alloc.offsets, self.options.copy_mode, start_by=deadline
+                        reg.id,
+                        True,
+                        granted,
+                        alloc.offsets,
+                        self.options.copy_mode,
+                        start_by=deadline,
+                        on_launch=launched,
                     )
                 except BaseException:
                     engine.abort_blocks(self._session, alloc.save_id)
                     raise
                 tracker.add()
                 future.add_done_callback(functools.partial(self._finish_save, alloc, deadline, tracker))
+                launched.wait(max(deadline - time.monotonic(), 0.0))
+                tracker.mark("launched")
         finally:
             tracker.close()
         if not tracker.wait(deadline):
             raise DeadlineExceeded(
                 "the copy did not finish before the deadline; its blocks will not be sealed"
             )
+        if tracker.marks is not None:
+            tracker.mark("woken")
+            timing_log.debug("save %d blocks: %s", len(hashes), tracker.report(t0))
         _raise_copy_error(tracker.error)
         return SaveOutcome(statuses, tracker.written, tracker.mode or "none")
 
@@ -276,9 +316,11 @@ class GpuDataPath:
         """On a copier thread: seal a chunk copied completely before the caller's deadline, else abort it."""
         try:
             result = fut.result()
+            tracker.mark(f"copied(q{result.queued_s * 1e3:.2f},l{result.launch_s * 1e3:.2f})")
             if time.monotonic() > deadline:
                 raise DeadlineExceeded("the copy completed after the caller's deadline")
             self._engine.seal_blocks(self._session, alloc.save_id)
+            tracker.mark("sealed")
             tracker.done(written=len(alloc.offsets), mode=result.mode)
         except BaseException as exc:  # noqa: BLE001 - reported to the waiting RPC
             try:
@@ -290,51 +332,85 @@ class GpuDataPath:
     def load(
         self, session_id: str, reg_id: str, hashes: Sequence[bytes], block_ids: Sequence[int], deadline: float
     ) -> LoadOutcome:
-        """Copies the leading stored blocks of ``hashes`` into GPU blocks ``block_ids``, then returns."""
+        """Copies the leading stored blocks of ``hashes`` into GPU blocks ``block_ids``, then returns.
+
+        Chunked like ``save``: the first, small chunk is looked up (leased) and
+        its copy started while the rest is looked up; the lookup stops at the
+        first miss. Each chunk's lease is released off the critical path once
+        its copy has landed. A chunk that cannot land before the deadline is
+        not started (the caller recomputes after its deadline).
+        """
+        t0 = time.perf_counter()
         reg = self._get(session_id, reg_id)
         _check_ids(hashes, block_ids, reg.layout)
-        engine = self._engine
-        hit = engine.query_prefix(self._session, reg.instance_id, hashes, lease=True, deadline=deadline)
-        if not hit.num_hits:
-            return LoadOutcome(0, "none")
-        n = hit.num_hits
-        nbytes = n * reg.layout.block_bytes
-        start_by = deadline - _PLANNING_FIXED_S - nbytes / _PLANNING_BYTES_PER_S
+        engine, copier = self._engine, self._copiers[reg.ordinal]
+        bb = reg.layout.block_bytes
+        tracker = _Countdown(timing_log.isEnabledFor(logging.DEBUG))
+        hits = 0
         try:
-            if hit.block_bytes != reg.layout.block_bytes:
-                raise InvalidArgument(
-                    f"the instance stores {hit.block_bytes}-byte blocks but registration {reg_id} "
-                    f"describes {reg.layout.block_bytes}-byte blocks"
+            for lo, hi in _save_chunks(len(hashes)):
+                hit = engine.query_prefix(
+                    self._session, reg.instance_id, hashes[lo:hi], lease=True, deadline=deadline
                 )
-            future = self._copiers[reg.ordinal].submit(
-                reg.id, False, list(block_ids[:n]), hit.offsets, self.options.copy_mode, start_by=start_by
-            )
-        except BaseException:
-            engine.release_lease(self._session, hit.lease_id)
-            raise
-        done = threading.Event()
-        outcome: dict = {}
-
-        def finish(fut) -> None:
-            # The caller may go on as soon as the bytes landed; the lease is released right after.
-            try:
-                outcome["mode"] = fut.result().mode
-            except BaseException as exc:  # noqa: BLE001 - reported to the waiting RPC below
-                outcome["error"] = exc
-            finally:
-                done.set()
+                tracker.mark("queried")
+                n = hit.num_hits
+                if not n:
+                    break
                 try:
-                    engine.release_lease(
-                        self._session, hit.lease_id, loaded_bytes=0 if "error" in outcome else nbytes
+                    if hit.block_bytes != bb:
+                        raise InvalidArgument(
+                            f"the instance stores {hit.block_bytes}-byte blocks but registration {reg_id} "
+                            f"describes {bb}-byte blocks"
+                        )
+                    # Start this chunk only if everything left of the request can still land in time.
+                    left = (len(hashes) - lo) * bb
+                    start_by = deadline - _PLANNING_FIXED_S - left / _PLANNING_BYTES_PER_S
+                    launched = threading.Event()
+                    future = copier.submit(
+                        reg.id,
+                        False,
+                        list(block_ids[lo : lo + n]),
+                        hit.offsets,
+                        self.options.copy_mode,
+                        start_by=start_by,
+                        on_launch=launched,
                     )
-                except Exception:
-                    log.exception("gpu: releasing lease %s failed", hit.lease_id)
-
-        future.add_done_callback(finish)
-        if not done.wait(max(deadline - time.monotonic(), 0.0)):
+                except BaseException:
+                    engine.release_lease(self._session, hit.lease_id)
+                    raise
+                tracker.add()
+                future.add_done_callback(functools.partial(self._finish_load, hit.lease_id, n * bb, tracker))
+                hits += n
+                if n < hi - lo:
+                    break
+                launched.wait(max(deadline - time.monotonic(), 0.0))
+                tracker.mark("launched")
+        finally:
+            tracker.close()
+        if not tracker.wait(deadline):
             raise DeadlineExceeded("the copy did not finish before the deadline")
-        _raise_copy_error(outcome.get("error"))
-        return LoadOutcome(n, outcome["mode"])
+        if tracker.marks is not None:
+            tracker.mark("woken")
+            timing_log.debug("load %d blocks: %s", len(hashes), tracker.report(t0))
+        _raise_copy_error(tracker.error)
+        return LoadOutcome(hits, tracker.mode or "none")
+
+    def _finish_load(self, lease_id: str, nbytes: int, tracker: _Countdown, fut) -> None:
+        """On a copier thread: report the chunk, then hand the lease release to the housekeeping thread."""
+        try:
+            result = fut.result()
+            tracker.mark(f"copied(q{result.queued_s * 1e3:.2f},l{result.launch_s * 1e3:.2f})")
+            tracker.done(written=nbytes, mode=result.mode)
+        except BaseException as exc:  # noqa: BLE001 - reported to the waiting RPC
+            nbytes = 0
+            tracker.done(error=exc)
+        self._housekeeping.submit(self._release, lease_id, nbytes)
+
+    def _release(self, lease_id: str, loaded_bytes: int) -> None:
+        try:
+            self._engine.release_lease(self._session, lease_id, loaded_bytes=loaded_bytes)
+        except Exception:
+            log.exception("gpu: releasing lease %s failed", lease_id)
 
     # -------------------------------------------------------------- lifecycle
 
@@ -349,11 +425,14 @@ class GpuDataPath:
                 return
             self._closed = True
             regs = list(self._regs.values())
+        if self._doorbell is not None:
+            self._doorbell.close()
         for reg in regs:
             self._retire(reg)
         for copier in self._copiers.values():
             copier.close()
         self._copiers.clear()
+        self._housekeeping.shutdown(wait=True)
         self._pinned.close()
         try:
             self._engine.close_session(self._session)
@@ -362,7 +441,7 @@ class GpuDataPath:
 
 
 # A save's chunks: the first small so the GPU starts at once, the rest large enough to keep it busy.
-_FIRST_CHUNK = 32
+_FIRST_CHUNK = 8
 _CHUNK = 96
 
 
@@ -376,13 +455,21 @@ def _save_chunks(n: int) -> list[tuple[int, int]]:
 class _Countdown:
     """Waits for a save's chunks: counts the copies in flight, collects what they wrote or the first error."""
 
-    def __init__(self):
+    def __init__(self, trace: bool = False):
         self._cond = threading.Condition()
         self._pending = 0
         self._closed = False
         self.written = 0
         self.mode = ""
         self.error: BaseException | None = None
+        self.marks: list[tuple[str, float]] | None = [] if trace else None
+
+    def mark(self, label: str) -> None:
+        if self.marks is not None:
+            self.marks.append((label, time.perf_counter()))
+
+    def report(self, t0: float) -> str:
+        return ", ".join(f"{label} {(t - t0) * 1e3:.2f}" for label, t in self.marks or ())
 
     def add(self) -> None:
         with self._cond:

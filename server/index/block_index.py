@@ -42,13 +42,6 @@ class BlockIndex:
     def at_offset(self, offset: int) -> BlockEntry | None:
         return self._by_offset.get(offset)
 
-    def add_writing(self, key: BlockKey, offset: int, length: int, save_id: str) -> BlockEntry:
-        entry = BlockEntry(key, offset, length, save_id)
-        self._blocks[key] = entry
-        self._by_offset[offset] = entry
-        self.writing += 1
-        return entry
-
     def add_writing_many(
         self, ns_index: int, hashes: list[bytes], offsets: list[int], length: int, save_id: str
     ) -> list[BlockEntry]:

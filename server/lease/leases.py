@@ -18,9 +18,15 @@ class Lease:
     __slots__ = ("id", "session_id", "instance_id", "entries", "created_at", "expires_at")
 
     def __init__(
-        self, session_id: str, instance_id: str, entries: list[BlockEntry], now: float, ttl_s: float
+        self,
+        session_id: str,
+        instance_id: str,
+        entries: list[BlockEntry],
+        now: float,
+        ttl_s: float,
+        ident: str = "",
     ):
-        self.id = "l-" + secrets.token_hex(12)
+        self.id = ident or "l-" + secrets.token_hex(12)
         self.session_id = session_id
         self.instance_id = instance_id
         self.entries = entries

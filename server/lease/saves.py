@@ -17,8 +17,8 @@ from pegaflow.server.index.block_index import BlockEntry
 class Save:
     __slots__ = ("id", "session_id", "instance_id", "pending", "created_at", "expires_at", "sealed_bytes")
 
-    def __init__(self, session_id: str, instance_id: str, now: float, timeout_s: float):
-        self.id = "w-" + secrets.token_hex(12)
+    def __init__(self, session_id: str, instance_id: str, now: float, timeout_s: float, ident: str = ""):
+        self.id = ident or "w-" + secrets.token_hex(12)
         self.session_id = session_id
         self.instance_id = instance_id
         self.pending: dict[bytes, BlockEntry] = {}  # block hash -> granted, unsealed block

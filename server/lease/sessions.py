@@ -21,7 +21,6 @@ class Session:
         "last_seen",
         "expires",
         "attachments",
-        "ever_attached",
         "instances",
         "leases",
         "saves",
@@ -36,7 +35,6 @@ class Session:
         self.last_seen = now
         self.expires = expires  # False for in-process (embedded) sessions: no heartbeat needed
         self.attachments = 0  # open fd-broker connections
-        self.ever_attached = False
         self.instances: set[str] = set()
         self.leases: set[str] = set()
         self.saves: set[str] = set()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import socketserver
 import threading
 from collections.abc import Callable
@@ -15,7 +16,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
-from pegaflow.server.config import parse_host_port
+from pegaflow.server.config import format_host_port, parse_host_port
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +24,10 @@ log = logging.getLogger(__name__)
 class _ThreadingWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
     daemon_threads = True
     allow_reuse_address = True
+
+
+class _ThreadingWSGIServerV6(_ThreadingWSGIServer):
+    address_family = socket.AF_INET6
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -58,11 +63,10 @@ class MetricsHttpServer:
             )
             return [body]
 
-        self._server = make_server(
-            host, port, app, server_class=_ThreadingWSGIServer, handler_class=_QuietHandler
-        )
+        server_class = _ThreadingWSGIServerV6 if ":" in host else _ThreadingWSGIServer
+        self._server = make_server(host, port, app, server_class=server_class, handler_class=_QuietHandler)
         bound_host, bound_port = self._server.server_address[:2]
-        self.address = f"{host}:{bound_port}" if host else f"{bound_host}:{bound_port}"
+        self.address = format_host_port(host or bound_host, bound_port)
         self._thread = threading.Thread(target=self._server.serve_forever, name="pegaflow-http", daemon=True)
 
     def start(self) -> None:

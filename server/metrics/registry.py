@@ -125,9 +125,12 @@ class ServerMetrics(EngineObserver):
                 ceiling = {name: self.ceiling.ceiling(name) for name in self.windows}
         return measured, ceiling
 
-    def flush(self) -> None:
-        """Feeds every pending lookup now (scrapes and tests want up-to-date windows)."""
-        while self._pending:
+    def flush(self, max_rounds: int = 4) -> None:
+        """Feeds pending lookups now, so a scrape sees up-to-date windows; bounded, so a scrape
+        never does more than a few batches of the feeder's work when it has fallen behind."""
+        for _ in range(max_rounds):
+            if not self._pending:
+                return
             self._feed_some()
 
     def _feed_loop(self) -> None:

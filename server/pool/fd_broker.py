@@ -100,6 +100,8 @@ class FdBroker:
         self._wake_r.setblocking(False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._conns: dict[int, _Conn] = {}
+        self._forget: list[str] = []  # sessions ended elsewhere, whose connections the loop closes
+        self._forget_lock = threading.Lock()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="pegaflow-fd-broker", daemon=True)
 
@@ -129,6 +131,16 @@ class FdBroker:
     def connections(self) -> int:
         return len(self._conns)
 
+    def forget_session(self, session_id: str) -> None:
+        """Closes the session's connections (it ended for another reason: heartbeat timeout, CloseSession),
+        so its client sees EOF at once and reconnects. Thread-safe; the broker thread does the closing."""
+        with self._forget_lock:
+            self._forget.append(session_id)
+        try:
+            self._wake_w.send(b"f")
+        except OSError:
+            pass
+
     # ------------------------------------------------------------------ loop
 
     def _run(self) -> None:
@@ -141,9 +153,10 @@ class FdBroker:
             for key, _ in events:
                 if key.data == "wake":
                     try:
-                        self._wake_r.recv(64)
+                        self._wake_r.recv(4096)
                     except OSError:
                         pass
+                    self._close_forgotten()
                 elif key.data is None:
                     self._accept()
                 else:
@@ -234,6 +247,14 @@ class FdBroker:
                 self._detach(conn.session_id)
             except Exception:
                 log.exception("fd broker: detach of session %s failed", conn.session_id)
+
+    def _close_forgotten(self) -> None:
+        with self._forget_lock:
+            forget, self._forget = set(self._forget), []
+        if forget:
+            for conn in list(self._conns.values()):
+                if conn.session_id in forget:
+                    self._drop(conn, notify=False)
 
     def _drop_slow_handshakes(self) -> None:
         now = time.monotonic()

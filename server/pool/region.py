@@ -89,6 +89,59 @@ def check_capacity(size_bytes: int, use_hugepages: bool, meminfo: dict[str, int]
         )
 
 
+POOL_DIR_FILESYSTEMS = ("tmpfs", "hugetlbfs")
+
+
+def _mount_fstype(path: str) -> str:
+    """The filesystem type of the mount holding ``path`` (longest matching mount point)."""
+    real = os.path.realpath(path)
+    best, fstype = "", ""
+    for line in pathlib.Path("/proc/self/mounts").read_text().splitlines():
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        point = parts[1].replace("\\040", " ")
+        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+            best, fstype = point, parts[2]
+    return fstype
+
+
+def _check_pool_dir(pool_dir: str) -> str:
+    if not os.path.isdir(pool_dir):
+        raise PoolCapacityError(f"--pool-dir {pool_dir} is not a directory")
+    fstype = _mount_fstype(pool_dir)
+    if fstype not in POOL_DIR_FILESYSTEMS:
+        raise PoolCapacityError(
+            f"--pool-dir {pool_dir} is on {fstype or 'an unknown filesystem'}; it must be a tmpfs "
+            "(e.g. `mount -t tmpfs -o huge=always,size=32g tmpfs DIR`) or a hugetlbfs mount, "
+            "so that the pool stays in memory"
+        )
+    return fstype
+
+
+def _check_dir_room(pool_dir: str, size_bytes: int) -> None:
+    st = os.statvfs(pool_dir)
+    room = st.f_bavail * st.f_frsize
+    if size_bytes > room:
+        raise PoolCapacityError(
+            f"--pool-size {format_size(size_bytes)} does not fit in --pool-dir {pool_dir} "
+            f"({format_size(room)} free on that mount). Lower --pool-size or enlarge the mount."
+        )
+
+
+def _open_unlinked(pool_dir: str, name: str) -> int:
+    """A fresh file in pool_dir, unlinked at once: like a memfd, it lives only as long as its fds and maps."""
+    for _ in range(16):
+        path = os.path.join(pool_dir, f".{name}-{os.getpid()}-{os.urandom(6).hex()}")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            continue
+        os.unlink(path)
+        return fd
+    raise PoolCapacityError(f"could not create a pool file in {pool_dir}")
+
+
 class PoolRegion:
     """A memfd of ``size_bytes`` mapped into this process, with a numpy-friendly buffer."""
 
@@ -100,17 +153,36 @@ class PoolRegion:
         self._mapping: mmap.mmap | None = mapping
 
     @classmethod
-    def create(cls, size_bytes: int, use_hugepages: bool = False, name: str = "pegaflow-pool") -> PoolRegion:
-        """Checks capacity, then allocates and pre-faults the whole region (logged with its duration)."""
-        if use_hugepages and size_bytes % HUGEPAGE_BYTES:
+    def create(
+        cls,
+        size_bytes: int,
+        use_hugepages: bool = False,
+        pool_dir: str | None = None,
+        name: str = "pegaflow-pool",
+    ) -> PoolRegion:
+        """Checks capacity, then allocates and pre-faults the whole region (logged with its duration).
+
+        Backing: an anonymous memfd (4 KiB pages), a hugetlb memfd with ``use_hugepages``, or
+        with ``pool_dir`` an unlinked file in a tmpfs / hugetlbfs mount (a tmpfs mounted with
+        ``huge=always`` gives transparent 2 MiB pages without reserving hugetlb pages).
+        """
+        if use_hugepages and pool_dir:
+            raise ValueError("use either hugetlb pages or a pool directory, not both")
+        fstype = _check_pool_dir(pool_dir) if pool_dir else None
+        huge_backing = use_hugepages or fstype == "hugetlbfs"
+        if huge_backing and size_bytes % HUGEPAGE_BYTES:
             rounded = -(-size_bytes // HUGEPAGE_BYTES) * HUGEPAGE_BYTES
             log.info("pool size %d rounded up to %d (a multiple of 2 MiB huge pages)", size_bytes, rounded)
             size_bytes = rounded
-        check_capacity(size_bytes, use_hugepages)
-        flags = os.MFD_CLOEXEC
-        if use_hugepages:
-            flags |= os.MFD_HUGETLB | os.MFD_HUGE_2MB
-        fd = os.memfd_create(name, flags)
+        check_capacity(size_bytes, huge_backing)
+        if pool_dir:
+            _check_dir_room(pool_dir, size_bytes)
+            fd = _open_unlinked(pool_dir, name)
+        else:
+            flags = os.MFD_CLOEXEC
+            if use_hugepages:
+                flags |= os.MFD_HUGETLB | os.MFD_HUGE_2MB
+            fd = os.memfd_create(name, flags)
         try:
             os.ftruncate(fd, size_bytes)
             start = time.perf_counter()
@@ -119,7 +191,7 @@ class PoolRegion:
             except OSError as exc:
                 raise PoolCapacityError(
                     f"could not allocate a {format_size(size_bytes)} pool "
-                    f"({'huge pages' if use_hugepages else 'shared memory'}): {exc.strerror}. "
+                    f"({'huge pages' if huge_backing else 'shared memory'}): {exc.strerror}. "
                     "Lower --pool-size or free memory."
                 ) from exc
             mapping = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
@@ -127,13 +199,17 @@ class PoolRegion:
         except BaseException:
             os.close(fd)
             raise
-        log.info(
-            "pool: %s of %s allocated and pre-faulted in %.2f s",
-            format_size(size_bytes),
-            "2 MiB huge pages" if use_hugepages else "shared memory (4 KiB pages)",
-            prefault_s,
+        backing = (
+            "2 MiB huge pages"
+            if use_hugepages
+            else f"a file in {pool_dir} ({fstype})"
+            if pool_dir
+            else "shared memory (4 KiB pages)"
         )
-        return cls(fd, size_bytes, mapping, use_hugepages, prefault_s)
+        log.info(
+            "pool: %s of %s allocated and pre-faulted in %.2f s", format_size(size_bytes), backing, prefault_s
+        )
+        return cls(fd, size_bytes, mapping, huge_backing, prefault_s)
 
     @property
     def buffer(self) -> mmap.mmap:

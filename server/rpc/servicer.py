@@ -30,6 +30,7 @@ from pegaflow.server.errors import (
     NotFound,
     ResourceExhausted,
 )
+from pegaflow.server.gpu import rpc as gpu_rpc
 from pegaflow.server.index.namespace import KvLayout
 from pegaflow.server.metrics.registry import ServerMetrics
 from pegaflow.server.rpc import validation as check
@@ -89,11 +90,18 @@ def _locations(offsets: list[int], block_bytes: int) -> pb.BlockLocations:
 
 
 class EngineServicer(pb_grpc.EngineServicer):
-    def __init__(self, engine: KVEngine, fd_socket_path: str, metrics: ServerMetrics | None = None):
+    def __init__(self, engine: KVEngine, fd_socket_path: str, metrics: ServerMetrics | None = None, gpu=None):
         self._engine = engine
+        self._gpu = gpu  # server.gpu.service.GpuDataPath, or None without a GPU data path
         self._config: ServerConfig = engine.config
         self._fd_socket_path = fd_socket_path
         self._metrics = metrics
+
+    @staticmethod
+    def _caller_gone(context: grpc.ServicerContext, deadline: float) -> bool:
+        # The deadline is measured from when this server read the call; if the process was stalled
+        # before reading it, the client may have given up (and cancelled) earlier than that.
+        return time.monotonic() > deadline or not context.is_active()
 
     # -------------------------------------------------------------- sessions
 
@@ -169,9 +177,15 @@ class EngineServicer(pb_grpc.EngineServicer):
         hashes = check.block_hashes(request.block_hashes, self._config)
         ttl = check.lease_ttl_s(request.lease_ttl_ms, self._config)
         result = self._engine.query_prefix(
-            session_id, instance_id, hashes, lease=request.lease, lease_ttl_s=ttl, deadline=deadline
+            session_id,
+            instance_id,
+            hashes,
+            lease=request.lease,
+            lease_ttl_s=ttl,
+            deadline=deadline,
+            lease_id=check.optional_ident(request.lease_id, "lease_id"),
         )
-        if result.lease_id and time.monotonic() > deadline:
+        if result.lease_id and self._caller_gone(context, deadline):
             self._engine.release_lease(session_id, result.lease_id)
             raise DeadlineExceeded("deadline passed while querying; the lease was released")
         return pb.QueryPrefixResponse(
@@ -212,8 +226,14 @@ class EngineServicer(pb_grpc.EngineServicer):
         session_id = check.ident(request.session_id, "session_id")
         instance_id = check.ident(request.instance_id, "instance_id")
         hashes = check.block_hashes(request.block_hashes, self._config)
-        result = self._engine.allocate_blocks(session_id, instance_id, hashes, deadline=deadline)
-        if result.save_id and time.monotonic() > deadline:
+        result = self._engine.allocate_blocks(
+            session_id,
+            instance_id,
+            hashes,
+            deadline=deadline,
+            save_id=check.optional_ident(request.save_id, "save_id"),
+        )
+        if result.save_id and self._caller_gone(context, deadline):
             self._engine.abort_blocks(session_id, result.save_id)
             raise DeadlineExceeded("deadline passed while allocating; the granted blocks were freed")
         return pb.AllocateBlocksResponse(
@@ -242,6 +262,24 @@ class EngineServicer(pb_grpc.EngineServicer):
             deadline=deadline,
         )
         return pb.AbortBlocksResponse(freed=freed)
+
+    # ---------------------------------------------------------- GPU data path
+
+    @_handler
+    def RegisterDeviceMemory(self, request, context, deadline: float):
+        return gpu_rpc.handle_register(self._gpu, request, deadline)
+
+    @_handler
+    def UnregisterDeviceMemory(self, request, context, deadline: float):
+        return gpu_rpc.handle_unregister(self._gpu, request, deadline)
+
+    @_handler
+    def SaveFromDevice(self, request, context, deadline: float):
+        return gpu_rpc.handle_save(self._gpu, request, deadline, self._config)
+
+    @_handler
+    def LoadToDevice(self, request, context, deadline: float):
+        return gpu_rpc.handle_load(self._gpu, request, deadline, self._config)
 
     # ---------------------------------------------------------- introspection
 

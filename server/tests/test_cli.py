@@ -72,10 +72,13 @@ def test_help_documents_every_flag_and_no_tier_flags_exist():
             build_parser().parse_args(["--pool-size", "64mb", dead, "x"])
 
 
-def test_cli_rejects_malformed_sizes():
+def test_cli_rejects_malformed_sizes_and_a_pool_below_one_slab():
     proc = run_cli("--pool-size", "12xb")
     assert proc.returncode == 2
     assert "unknown unit" in proc.stderr
+    proc = run_cli("--pool-size", "1mb", "--addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0")
+    assert proc.returncode == 2
+    assert "the pool must be at least 4.00 MiB" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_cli_refuses_a_pool_this_machine_cannot_back():
@@ -102,3 +105,53 @@ def test_capacity_check_with_hugepages_reserved_but_too_few():
     check_capacity(24 * MIB, use_hugepages=True, meminfo=meminfo)
     with pytest.raises(PoolCapacityError, match="does not fit in the free huge pages"):
         check_capacity(26 * MIB, use_hugepages=True, meminfo=meminfo)
+
+
+def test_cli_refuses_a_port_in_use_instead_of_sharing_it(tmp_path):
+    from pegaflow.server.testing import ServerProcess
+
+    with ServerProcess(tmp_path, pool_size="16mb", http_addr=None) as first:
+        proc = run_cli("--pool-size", "16mb", "--addr", first.addr, "--http-addr", "127.0.0.1:0")
+        assert proc.returncode == 1, proc.stderr
+        assert f"cannot listen for gRPC on {first.addr}" in proc.stderr
+        assert first.alive()
+
+
+def test_host_port_parsing_round_trips_ipv4_and_ipv6():
+    from pegaflow.server.config import format_host_port, parse_host_port
+
+    for text in ("127.0.0.1:50055", "[::1]:0", "0.0.0.0:9091", "node-a:50055"):
+        assert format_host_port(*parse_host_port(text)) == text
+    for bad in ("50055", "host:", ":80", "host:99999", "::1:80"):
+        with pytest.raises(ValueError):
+            parse_host_port(bad)
+
+
+def test_pool_dir_must_be_a_memory_filesystem_and_works_on_tmpfs(tmp_path):
+    import os
+
+    from pegaflow.client import KvLayout, PegaClient
+    from pegaflow.server.pool.region import _mount_fstype
+    from pegaflow.server.testing import ServerProcess
+
+    if _mount_fstype(str(tmp_path)) not in ("tmpfs", "hugetlbfs"):
+        proc = run_cli("--pool-size", "16mb", "--pool-dir", str(tmp_path), "--addr", "127.0.0.1:0")
+        assert proc.returncode == 2, proc.stderr
+        assert "must be a tmpfs" in proc.stderr
+    proc = run_cli("--pool-size", "16mb", "--pool-dir", "/dev/shm", "--use-hugepages")
+    assert proc.returncode == 2 and "exclude each other" in proc.stderr
+    if not os.path.isdir("/dev/shm") or _mount_fstype("/dev/shm") != "tmpfs":
+        pytest.skip("no tmpfs at /dev/shm")
+    with ServerProcess(
+        tmp_path / "srv", pool_size="16mb", http_addr=None, extra_args=["--pool-dir", "/dev/shm"]
+    ) as srv:
+        mine = f".pegaflow-pool-{srv.proc.pid}-"
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(mine)]  # unlinked at once
+        with PegaClient(srv.addr, timeout_s=10.0) as c:
+            inst = c.register_instance(KvLayout(model_id="m", block_bytes=4096))
+            batch = c.allocate(inst, [b"a"])
+            c.pool_view(batch.epoch)[batch.allocations[0].offset] = 7
+            c.seal(batch.save_id)
+            hit = c.query_prefix(inst, [b"a"], lease=True)
+            assert c.pool_view(hit.epoch)[hit.locations[0].offset] == 7
+            c.release(hit.lease_id)

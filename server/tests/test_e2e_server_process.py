@@ -87,7 +87,7 @@ def kill_group(proc: subprocess.Popen) -> None:
             pipe.close()
 
 
-def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.05):
+def wait_for(predicate, timeout_s: float = 60.0, interval_s: float = 0.05):
     """Polls until predicate() is truthy; returns its value (fails the test after timeout_s)."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -101,7 +101,11 @@ def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.05):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with ServerProcess(tmp_path_factory.mktemp("server"), pool_size="128mb") as srv:
+    # A generous heartbeat TTL keeps a starved client alive on a loaded CI machine; dead clients are
+    # still reclaimed at once through their pool connection (asserted below).
+    with ServerProcess(
+        tmp_path_factory.mktemp("server"), pool_size="128mb", extra_args=["--session-ttl", "30"]
+    ) as srv:
         yield srv
         assert srv.alive(), srv.log_text()
 
@@ -558,7 +562,7 @@ def test_server_restart_client_reconnects_and_reregisters(tmp_path):
         with pytest.raises(errors.ServerUnavailable):
             c.query_prefix(inst, [b"before"])
         srv.start()
-        wait_for(lambda: c.connected and inst.registered and c.epoch == srv.epoch, timeout_s=30)
+        wait_for(lambda: c.connected and inst.registered and c.epoch == srv.epoch)
         assert inst.instance_id != old_instance and c.sessions_opened == 2
         with pytest.raises(errors.StaleEpoch):
             c.pool_view(old_epoch)

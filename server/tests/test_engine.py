@@ -265,3 +265,79 @@ def test_calls_honour_their_deadline_when_the_engine_is_busy(engine):
     finally:
         release.set()
         t.join()
+
+
+def test_session_listeners_hear_every_end_outside_the_lock(engine):
+    heard: list[tuple[str, int]] = []
+    # Re-entering the engine from a listener only works outside its lock (else: DeadlineExceeded).
+    engine.add_session_listener(
+        lambda sid: heard.append((sid, engine.stats(deadline=time.monotonic() + 5).live_sessions))
+    )
+    closed = engine.open_session("closed").session_id
+    dropped = engine.open_session("dropped").session_id
+    silent = engine.open_session("silent").session_id
+    engine.close_session(closed)
+    engine.attach_session(dropped)
+    engine.detach_session(dropped)  # its pool connection closed
+    engine.reap(time.monotonic() + engine.config.session_ttl_s + 1)
+    assert heard == [(closed, 2), (dropped, 1), (silent, 0)]
+
+
+def test_a_save_or_lease_given_up_before_it_was_served_is_refused(engine):
+    from pegaflow.server.errors import FailedPrecondition
+
+    sid = engine.open_session("t").session_id
+    iid = engine.register_instance(sid, layout()).instance_id
+    # The client timed out and aborted before the server got to its AllocateBlocks.
+    with pytest.raises(NotFound):
+        engine.abort_blocks(sid, "w-late")
+    with pytest.raises(DeadlineExceeded):
+        engine.allocate_blocks(sid, iid, hashes(2), save_id="w-late")
+    assert engine.stats().writing_blocks == 0
+    res = engine.allocate_blocks(sid, iid, hashes(2), save_id="w-mine")
+    assert res.save_id == "w-mine"
+    with pytest.raises(FailedPrecondition):
+        engine.allocate_blocks(sid, iid, hashes(2, "x"), save_id="w-mine")
+    engine.seal_blocks(sid, "w-mine")
+    with pytest.raises(NotFound):
+        engine.release_lease(sid, "l-late")
+    with pytest.raises(DeadlineExceeded):
+        engine.query_prefix(sid, iid, hashes(2), lease=True, lease_id="l-late")
+    assert engine.stats().pinned_blocks == 0
+    assert engine.query_prefix(sid, iid, hashes(2), lease=True, lease_id="l-mine").lease_id == "l-mine"
+
+
+def test_tombstones_expire_and_are_bounded():
+    from pegaflow.server.lease.tombstones import Tombstones
+
+    t = Tombstones(ttl_s=10.0, capacity=3)
+    for i, ident in enumerate("abcd"):
+        t.add(ident, now=float(i))
+    assert "a" not in t and {"b", "c", "d"} <= {x for x in "abcd" if x in t}
+    t.prune(now=12.5)  # b was added at 1.0, c at 2.0: both past 10 s
+    assert "b" not in t and "c" not in t and "d" in t and len(t) == 1
+
+
+def test_one_session_cannot_pile_up_instances_or_leases_without_bound():
+    from pegaflow.server.errors import ResourceExhausted
+
+    eng = KVEngine(
+        ServerConfig(
+            pool_size_bytes=16 * MIB, http_addr=None, max_instances_per_session=2, max_leases_per_session=2
+        )
+    )
+    try:
+        sid = eng.open_session("greedy").session_id
+        iid = eng.register_instance(sid, layout()).instance_id
+        eng.register_instance(sid, layout())
+        with pytest.raises(ResourceExhausted):
+            eng.register_instance(sid, layout())
+        save(eng, sid, iid, hashes(1))
+        for _ in range(2):
+            eng.query_prefix(sid, iid, hashes(1), lease=True)
+        with pytest.raises(ResourceExhausted):
+            eng.query_prefix(sid, iid, hashes(1), lease=True)
+        assert eng.query_prefix(sid, iid, hashes(1)).num_hits == 1  # plain queries still work
+        assert eng.stats().pinned_blocks == 1
+    finally:
+        eng.close()

@@ -45,7 +45,7 @@ def import_like_pip(root: pathlib.Path) -> None:
 
 
 def private_tmp() -> pathlib.Path:
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix="pegaflow-test-", dir="/tmp"))
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="pgf-test-", dir="/tmp"))
     os.environ["TMPDIR"] = os.environ["TEST_TMPDIR"] = str(tmp)
     tempfile.tempdir = str(tmp)
     if "HOME" not in os.environ:

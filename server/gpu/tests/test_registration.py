@@ -19,7 +19,17 @@ RAW = bytes(range(64))
 
 @pytest.mark.parametrize(
     "module",
-    ["copy_plan", "cuda_runtime", "kernels", "ipc", "registration", "device_copier"],
+    [
+        "copy_plan",
+        "cuda_runtime",
+        "kernels",
+        "ipc",
+        "registration",
+        "device_copier",
+        "doorbell",
+        "service",
+        "rpc",
+    ],
 )
 def test_every_gpu_module_imports_without_touching_cuda(module):
     importlib.import_module(f"pegaflow.server.gpu.{module}")

@@ -1,0 +1,31 @@
+"""`bazel test //bench:mla_dedup`: the reduced MLA dedup regression with real vLLM-CPU.
+
+A 61-layer tiny DeepSeek-V3 at TP=2 replays a short fixed trace one request at a time, once with
+its latent KV stored once per TP group and once per rank, each over a pegaflow-server of the same
+budget B; fails if a request fails or if store-once's block hit rate does not beat per-rank's by
+REGRESSION_MIN_GAP. Why it cannot flake: bench/experiments/mla_dedup.py (module doc).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pegaflow.bench.experiments import mla_dedup
+
+pytestmark = pytest.mark.timeout(2400)
+
+
+def test_store_once_beats_per_rank_on_hit_rate_at_one_budget(tmp_path):
+    rc = mla_dedup.main(["--regression", "--workdir", str(tmp_path / "work"), "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "mla_dedup_regression.json").read_text())
+    assert rc == 0, report["regression"]["problems"]
+    once, per_rank = report["arms"]["once"], report["arms"]["per_rank"]
+    # the storage modes are what the arms say: one shared namespace vs one per rank
+    assert once["namespaces"] == 1
+    assert per_rank["namespaces"] == mla_dedup.TP
+    # every request ran and reported what it loaded
+    for arm in (once, per_rank):
+        assert arm["summary"]["succeeded"] == report["trace"]["requests"]
+    assert (tmp_path / "mla_dedup_regression.png").stat().st_size > 0

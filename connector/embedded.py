@@ -1,0 +1,72 @@
+"""Embedded mode: the engine owns its KV pool, like an in-process cache would.
+
+With `embedded_pool_size` set, TP rank 0's worker runs a whole pegaflow server (the
+same engine, pool, policy and gRPC service as `pegaflow-server`, see
+server/runtime.py) inside the vLLM worker process, started while vLLM registers its KV
+caches, so its pool is allocated and pre-faulted before vLLM reports ready; it stops
+with the worker. The other ranks and the scheduler find it through a small file named
+after the engine id under the temp dir, and use it exactly like an external server.
+
+This is the baseline the shared server is measured against (startup time, one pool per
+instance); in production the cache lives in `pegaflow-server`, outside vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import tempfile
+
+log = logging.getLogger("vllm.pegaflow.connector.embedded")
+
+
+def address_file(engine_id: str) -> pathlib.Path:
+    """Where rank 0 publishes the embedded server's gRPC address (processes of one vLLM
+    engine share its engine id and temp dir)."""
+    return pathlib.Path(tempfile.gettempdir()) / f"pegaflow-embedded-{engine_id}.addr"
+
+
+def published_address(engine_id: str) -> str | None:
+    """The embedded server's address once rank 0 has started it, else None."""
+    try:
+        text = address_file(engine_id).read_text().strip()
+    except OSError:
+        return None
+    return text or None
+
+
+class EmbeddedServer:
+    """A pegaflow server running in this process for this engine only."""
+
+    def __init__(self, engine_id: str, pool_size_bytes: int, addr: str, http_addr: str | None):
+        from pegaflow.server.config import ServerConfig
+        from pegaflow.server.runtime import start_server
+
+        self.engine_id = engine_id
+        self._file = address_file(engine_id)
+        # allocates and pre-faults the pool before returning
+        self.server = start_server(
+            ServerConfig(pool_size_bytes=pool_size_bytes, addr=addr, http_addr=http_addr)
+        )
+        tmp = self._file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(self.server.address)
+        tmp.replace(self._file)  # readers never see a half-written address
+        log.info(
+            "pegaflow: embedded server for engine %s at %s (pool %.1f GiB%s)",
+            engine_id,
+            self.server.address,
+            pool_size_bytes / 2**30,
+            f", metrics on {self.server.http_address}" if self.server.http_address else "",
+        )
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def stop(self) -> None:
+        try:
+            self._file.unlink()
+        except OSError:
+            pass
+        self.server.stop()
