@@ -15,10 +15,10 @@
 
 Targets (issue 3): save and load >= 80% of memcpy; query p99 under load <= 2x idle p99.
 
-The throughput part runs twice when this process is root and has `unshare`: on the default
-anonymous memfd (4 KiB pages) and on a tmpfs mounted huge=always (--pool-dir, 2 MiB THP), the
-mount living only in the server's private mount namespace. --use-hugepages adds a hugetlb run
-(pages must be reserved). Every client pre-touches its pool mapping (see throughput()).
+The throughput part runs on the default anonymous memfd (4 KiB pages). --huge-tmpfs adds a run
+with the pool on a tmpfs mounted huge=always (--pool-dir, 2 MiB THP; the mount lives only in the
+server's private mount namespace; root), --use-hugepages a run on hugetlb pages (must be
+reserved). Every client pre-touches its pool mapping (see throughput()).
 """
 
 from __future__ import annotations
@@ -354,6 +354,13 @@ def main() -> int:
         action="store_true",
         help="also measure throughput with --use-hugepages (hugetlb: 3 GiB of 2 MiB pages must be reserved)",
     )
+    ap.add_argument(
+        "--huge-tmpfs",
+        action="store_true",
+        help="also measure throughput with the pool on a huge=always tmpfs (--pool-dir), mounted in the "
+        "server's private mount namespace (needs root; 2 MiB page allocation can take minutes on a "
+        "fragmented machine)",
+    )
     ap.add_argument("--role", help=argparse.SUPPRESS)
     ap.add_argument("role_args", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -378,7 +385,9 @@ def main() -> int:
         tmp = pathlib.Path(tmpdir)
         if args.part in ("all", "throughput"):
             results["throughput"] = run_throughput(tmp, rounds, "memfd")
-            if huge_tmpfs_available():
+            if args.huge_tmpfs:
+                if not huge_tmpfs_available():
+                    raise SystemExit("--huge-tmpfs needs root and unshare(1)")
                 results["throughput_huge_tmpfs"] = run_throughput(tmp, rounds, "huge-tmpfs")
             if args.use_hugepages:
                 results["throughput_hugetlb"] = run_throughput(tmp, rounds, "hugetlb")
@@ -443,7 +452,12 @@ def run_throughput(tmp: pathlib.Path, rounds: int, backing: str) -> list[dict]:
         launcher = ["unshare", "-m", "--", "sh", "-c", script, str(mount_dir)]
         extra = ["--pool-dir", str(mount_dir)]
     with ServerProcess(
-        tmp / f"tp-{backing}", pool_size="3gb", http_addr=None, extra_args=extra, launcher=launcher
+        tmp / f"tp-{backing}",
+        pool_size="3gb",
+        http_addr=None,
+        extra_args=extra,
+        launcher=launcher,
+        start_timeout_s=600,  # a huge-page pool may need minutes of compaction
     ) as srv:
         for inflight in (1, 2):
             for block, batch in ((256 * KIB, 64), (256 * KIB, 256), (2 * MIB, 64), (2 * MIB, 256)):

@@ -19,6 +19,12 @@ Every key is optional:
                          or name). Set it to share a cache between copies of one model at
                          different paths, or to separate weights replaced in place.
   namespace_salt         extra string mixed into the namespace (default "").
+  mla_store              MLA models (DeepSeek-V2/V3 latent KV) under tensor parallelism:
+                         "once" (default): the TP group stores each block once, written by
+                         one rank per block and loaded by every rank (all ranks hold the
+                         same latent); "per_rank": every rank stores its own copy in its
+                         own namespace, like a non-MLA model (A/B comparisons; needs TP x
+                         the pool). Ignored for non-MLA models, which are always per rank.
   embedded_pool_size     run the cache inside this engine instead of reaching a server:
                          TP rank 0's worker starts an in-process pegaflow server with a
                          pool of this size ("2gb", "1073741824b"), pre-faulted before vLLM
@@ -40,6 +46,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from pegaflow.connector.mla import parse_store_mode
+
 DEFAULT_HOST = "http://127.0.0.1"
 DEFAULT_PORT = 50055
 
@@ -55,6 +63,7 @@ class ConnectorConfig:
     model_id: str | None = None
     namespace_salt: str = ""
     honor_kv_load_failure_policy: bool = False
+    mla_store: str = "once"
     embedded_pool_size: int | None = None
     embedded_addr: str = "127.0.0.1:0"
     embedded_http_addr: str | None = None
@@ -85,6 +94,7 @@ _KNOWN_KEYS = frozenset(
         "model_id",
         "namespace_salt",
         "honor_kv_load_failure_policy",
+        "mla_store",
         "embedded_pool_size",
         "embedded_addr",
         "embedded_http_addr",
@@ -226,4 +236,6 @@ def load_config(extra: Mapping[str, Any] | None, env: Mapping[str, str] | None =
         kwargs["honor_kv_load_failure_policy"] = _bool(
             "honor_kv_load_failure_policy", extra["honor_kv_load_failure_policy"]
         )
+    if "mla_store" in extra:
+        kwargs["mla_store"] = parse_store_mode(extra["mla_store"])
     return ConnectorConfig(**kwargs)

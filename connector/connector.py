@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from pegaflow.connector import mla
 from pegaflow.connector.config import load_config
 from pegaflow.connector.metadata import PegaConnectorMetadata, PegaHandshake
 
@@ -84,6 +85,8 @@ class PegaKVConnector(KVConnectorBase_V1):
             # cannot complete must cost a recompute, not the request
             transfer.kv_load_failure_policy = "recompute"
             log.info("pegaflow: kv_load_failure_policy set to 'recompute': a failed load is recomputed")
+        if mla.rope_workaround_missing(vllm_config):
+            log.warning("pegaflow: MLA on CPU: %s", mla.ROPE_WORKAROUND_HINT)
         # Lookups start when the workers report their layouts (set_xfer_handshake_metadata).
         self._scheduler = SchedulerConnector(
             block_size=vllm_config.cache_config.block_size,
@@ -110,7 +113,11 @@ class PegaKVConnector(KVConnectorBase_V1):
         layout, reason = None, ""
         try:
             layouts = build_layouts(
-                vllm_config, kv_cache_config, self._cfg.model_id, self._cfg.namespace_salt
+                vllm_config,
+                kv_cache_config,
+                self._cfg.model_id,
+                self._cfg.namespace_salt,
+                self._cfg.mla_store,
             )
             layout = layout_for_rank(layouts, tp_rank)
         except UnsupportedLayout as exc:

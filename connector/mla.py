@@ -22,13 +22,16 @@ How the group shares one copy (`mla_store = "once"`, the default):
   hit, and that rank reports the block as a load error.
 - **When ranks disagree.** vLLM unions the load errors of all workers and rolls the
   request back to its first failed block on every rank (policy "recompute"), so the
-  scheduler's view stays one view. But the step that found the error already ran the
-  request's forward pass, and a tensor-parallel forward mixes every rank's partial
-  results (the all-reduce after attention): one rank's missing block corrupts what *all*
-  ranks computed for that request in that step. Its new blocks must not be saved by any
-  rank, so before saving, the ranks agree on the union of their failed requests
-  (`agree_on_failed_loads`, one small all-reduce over the TP group, only in steps that
-  both load and save for the same request). This holds for non-MLA models under TP too.
+  scheduler's view stays one view. The step that found the error already ran the
+  request's forward, and a tensor-parallel forward mixes every rank's partial results
+  (the all-reduce after attention): one rank's missing block spoils what *all* ranks
+  computed for that request in that step. So the scheduler never plans a request's saves
+  in the step that loads it, only in a later step (scheduler._plan_saves, `defer`), after
+  vLLM reported that step's errors: no rank stores a block computed over missing KV. That
+  holds while vLLM processes a step's output before it schedules the next, which vLLM-CPU
+  always does (it turns async scheduling off); with async scheduling (vLLM's GPU default,
+  two batches in flight) the next step is scheduled first, so a deferral of one step is
+  not enough there.
 
 A non-MLA model (per-head KV shards) is never shared across ranks: its layouts carry the
 rank. `mla_store = "per_rank"` stores an MLA model like that too (each rank its own copy
@@ -40,7 +43,7 @@ No vLLM import at module level: the pure parts are unit-tested without an engine
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 STORE_ONCE = "once"
@@ -69,12 +72,6 @@ def writer_rank(block_hash: bytes, tp_size: int) -> int:
     return int.from_bytes(digest, "little") % tp_size
 
 
-def writes_block(shared: bool, tp_rank: int, tp_size: int, block_hash: bytes) -> bool:
-    """Whether rank `tp_rank` saves this block: always for a per-rank namespace (its own
-    shard or copy), for a group-shared one only if it is the block's writer."""
-    return not shared or writer_rank(block_hash, tp_size) == tp_rank
-
-
 def own_blocks(
     shared: bool, tp_rank: int, tp_size: int, block_ids: Sequence[int], hashes: Sequence[bytes]
 ) -> tuple[list[int], list[bytes]]:
@@ -85,56 +82,6 @@ def own_blocks(
         return list(block_ids), list(hashes)
     keep = [i for i, h in enumerate(hashes) if writer_rank(h, tp_size) == tp_rank]
     return [block_ids[i] for i in keep], [hashes[i] for i in keep]
-
-
-# An all-reduce(MAX) of a uint8 vector over the TP group; returns the reduced vector.
-AllReduceMax = Callable[[list[int]], list[int]]
-
-
-def needs_agreement(tp_size: int, load_req_ids: Sequence[str], save_req_ids: Iterable[str]) -> bool:
-    """Whether a step must agree on failed loads: TP > 1 and some request both loaded and
-    saves in it. Decided from the step's metadata alone, which every rank receives
-    identically, so either every rank enters the collective or none does."""
-    if tp_size <= 1 or not load_req_ids:
-        return False
-    loaded = set(load_req_ids)
-    return any(rid in loaded for rid in save_req_ids)
-
-
-def agree_on_failed_loads(
-    load_req_ids: Sequence[str], local_failed: set[str], all_reduce_max: AllReduceMax
-) -> set[str]:
-    """The requests of `load_req_ids` whose load failed on *any* rank. `load_req_ids` must be
-    the same list, in the same order, on every rank (the step's metadata)."""
-    flags = [1 if rid in local_failed else 0 for rid in load_req_ids]
-    reduced = all_reduce_max(flags)
-    if len(reduced) != len(flags):
-        raise RuntimeError(f"all-reduce returned {len(reduced)} flags for {len(flags)} loads")
-    return {rid for rid, flag in zip(load_req_ids, reduced, strict=True) if flag} | (
-        local_failed - set(load_req_ids)
-    )
-
-
-def tp_group_all_reduce_max() -> AllReduceMax:
-    """All-reduce(MAX) over vLLM's tensor-parallel group, on its CPU (gloo) group: a few
-    bytes per step, off the device, called from the worker's forward thread like vLLM's
-    own collectives."""
-    from vllm.distributed.parallel_state import get_tp_group
-
-    return all_reduce_max_over(get_tp_group().cpu_group)
-
-
-def all_reduce_max_over(group: Any) -> AllReduceMax:
-    """All-reduce(MAX) of a short uint8 vector over a torch.distributed (CPU) group."""
-    import torch
-    import torch.distributed as dist
-
-    def all_reduce_max(flags: list[int]) -> list[int]:
-        t = torch.tensor(flags, dtype=torch.uint8)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return [int(x) for x in t.tolist()]
-
-    return all_reduce_max
 
 
 ROPE_WORKAROUND_HINT = (

@@ -5,8 +5,10 @@ the model, so the namespace the server derives from this layout must: model iden
 (name or path, plus a fingerprint of its config), KV dtype, the byte layout of a page
 (device, attention kind, kernel ISA, vLLM's cache layout), tokens per block, bytes per
 block, and the TP size and rank. An MLA latent is identical on every TP rank, so MLA
-layouts set `mla` and the server leaves the rank out: the group stores each block once,
-written by rank 0 (see `is_writer`), read by every rank.
+layouts set `mla` and the server leaves the rank out (it keeps the TP size: the bytes
+depend on it): the group stores each block once, each block written by one rank and read
+by every rank (mla.py). With `mla_store="per_rank"` an MLA model is stored like any
+other, one copy per rank.
 
 Both connector roles build the same layouts from the same configs: the scheduler (which
 has no KV tensors) queries with them and each worker registers and checks its own.
@@ -19,6 +21,8 @@ import hashlib
 import json
 import os
 from typing import Any
+
+from pegaflow.connector.mla import STORE_ONCE, parse_store_mode
 
 # hf config keys that name a file or a library version, not the model's shape
 _VOLATILE_CONFIG_KEYS = frozenset({"_name_or_path", "transformers_version", "_commit_hash", "name_or_path"})
@@ -154,16 +158,17 @@ def single_group_spec(vllm_config: Any, kv_cache_config: Any) -> Any:
 
 
 def build_layouts(
-    vllm_config: Any, kv_cache_config: Any, model_id: str | None, salt: str
+    vllm_config: Any, kv_cache_config: Any, model_id: str | None, salt: str, mla_store: str = STORE_ONCE
 ) -> list[KvLayoutSpec]:
-    """One layout per TP rank (MLA: one for the whole group, registered with rank 0's
-    number). Index i is rank i's layout, except MLA whose single entry serves every rank."""
+    """One layout per TP rank (MLA stored once: one for the whole group, registered with
+    rank 0's number). Index i is rank i's layout, except a shared one, which serves every
+    rank."""
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
     spec = single_group_spec(vllm_config, kv_cache_config)
     group = kv_cache_config.kv_cache_groups[0]
     num_layers = len(group.layer_names)
-    mla = isinstance(spec, MLAAttentionSpec)
+    mla = isinstance(spec, MLAAttentionSpec) and parse_store_mode(mla_store) == STORE_ONCE
     tp_size = vllm_config.parallel_config.tensor_parallel_size
     base = dict(
         model_id=model_identity(vllm_config.model_config, model_id),
@@ -187,12 +192,6 @@ def layout_for_rank(layouts: list[KvLayoutSpec], tp_rank: int) -> KvLayoutSpec:
     if layouts[0].mla:
         return dataclasses.replace(layouts[0], tp_rank=tp_rank)
     return layouts[tp_rank]
-
-
-def is_writer(layout: KvLayoutSpec) -> bool:
-    """Whether this rank saves blocks. Every rank saves its own shard, except under MLA,
-    where the ranks hold the same latent and only rank 0 writes it."""
-    return not layout.mla or layout.tp_rank == 0
 
 
 def _extra(vllm_config: Any, salt: str) -> str:

@@ -36,10 +36,11 @@ from typing import Any
 
 import torch
 
+from pegaflow.connector import mla
 from pegaflow.connector.config import ConnectorConfig
 from pegaflow.connector.kv_pages import KvPages, LayoutMismatch, Run, plan_runs
 from pegaflow.connector.metadata import BlockTransfer, PegaConnectorMetadata, PegaHandshake
-from pegaflow.connector.namespace import KvLayoutSpec, is_writer
+from pegaflow.connector.namespace import KvLayoutSpec
 from pegaflow.connector.server_link import ServerLink, batches
 
 log = logging.getLogger("vllm.pegaflow.connector.worker")
@@ -151,10 +152,6 @@ class WorkerConnector:
         self._awaiting_free: set[str] = set()
         self._device_handle: Any = None
         self.stats = collections.Counter()
-
-    @property
-    def writer(self) -> bool:
-        return self.layout is not None and is_writer(self.layout)
 
     @property
     def active(self) -> bool:
@@ -474,24 +471,33 @@ class WorkerConnector:
             self.stats["save_jobs_preempted"] += 1
 
     def submit_saves(self, saves: list[BlockTransfer]) -> None:
-        if not saves or not self.writer or not self.active:
+        if not saves or not self.active:
             return
-        assert self.link is not None
+        assert self.link is not None and self.layout is not None
         seen: set[bytes] = set()
         block_ids: list[int] = []
         hashes: list[bytes] = []
+        req_ids: set[str] = set()
         for t in saves:
-            for b, h in zip(t.block_ids, t.block_hashes, strict=True):
+            # a namespace shared by the TP group (MLA): each block has one writer rank
+            t_ids, t_hashes = mla.own_blocks(
+                self.layout.mla, self.layout.tp_rank, self.layout.tp_size, t.block_ids, t.block_hashes
+            )
+            self.stats["save_blocks_other_rank"] += len(t.block_ids) - len(t_ids)
+            for b, h in zip(t_ids, t_hashes, strict=True):
                 if h not in seen:
                     seen.add(h)
                     block_ids.append(b)
                     hashes.append(h)
+                    req_ids.add(t.req_id)
         nblocks = len(block_ids)
+        if not nblocks:
+            return
         if self.link.usable() is None:
             self.stats["save_blocks_skipped_unavailable"] += nblocks
             return
         ready = self.gpu.record_ready() if self.gpu is not None else None
-        job = _SaveJob(block_ids, hashes, {t.req_id for t in saves}, ready)
+        job = _SaveJob(block_ids, hashes, req_ids, ready)
         with self._save_lock:
             if len(self._save_jobs) > self.cfg.max_pending_saves:
                 self.stats["save_blocks_dropped_backlog"] += nblocks

@@ -515,22 +515,9 @@ class KVEngine:
                     statuses.append(AllocStatus.GRANTED)
                     new_hashes.append(block_hash)
                     new_positions.append(position)
-            # Free slots first, in one step; then one at a time with eviction. Slots are held
-            # from the start, so a slab holding them is never chosen for a reclaim meanwhile.
-            offsets = self.allocator.allocate_many(block_bytes, len(new_hashes), hold=True)
-            try:
-                while len(offsets) < len(new_hashes):
-                    offset = self._allocate_slot(block_bytes, deadline)
-                    if offset is None:
-                        break  # nothing evictable: the rest of the batch cannot fare better
-                    offsets.append(offset)
-            except DeadlineExceeded:
-                pass  # grant what we have; the rest is NO_SPACE (the RPC layer undoes all if the caller left)
-            except BaseException:
-                for offset in offsets:  # not indexed yet: give the slots back before failing
-                    self.allocator.unhold(offset)
-                    self.allocator.free(offset)
-                raise
+            # Slots come back held, so a slab holding them is never chosen for a slab move meanwhile;
+            # whatever could not be had (nothing evictable, deadline) is NO_SPACE.
+            offsets = self._allocate_slots(block_bytes, len(new_hashes), deadline)
             for position, block_hash in zip(
                 new_positions[len(offsets) :], new_hashes[len(offsets) :], strict=True
             ):
@@ -772,25 +759,37 @@ class KVEngine:
         self.policy.on_remove(entry.key)
         self.counters.evictions += 1
 
-    def _allocate_slot(self, block_bytes: int, deadline: float | None) -> int | None:
-        """A free slot for a block of this size, evicting as the policy says when the pool is full.
+    def _allocate_slots(self, block_bytes: int, count: int, deadline: float | None) -> list[int]:
+        """Up to ``count`` held slots for blocks of this size, evicting as the policy says when the pool
+        is full; fewer only when nothing evictable is left or the deadline passed.
 
-        First the policy's victims are evicted one by one (whatever their size):
-        that frees a slot of this size, or empties a slab any size can take.
-        Victims of other sizes leave free slots there that this size cannot use;
-        once a slab's worth of those has piled up, a whole slab of another size
-        (no pinned or half-written blocks, the emptiest) is evicted and moves to
-        this size. Returns None only when nothing evictable is left.
+        The policy's victims are evicted (whatever their size) until enough slots of this size are
+        free: a victim of this size frees one, and a slab that empties can go to any size. Victims of
+        other sizes leave free slots there that this size cannot use; whenever a slab's worth of those
+        has piled up, a whole slab of another size (no pinned or half-written blocks, the emptiest) is
+        evicted and moves to this size. Evicting first and allocating in one step afterwards hands out
+        the freed slots in address order, so a batch that replaces an evicted batch stays contiguous.
         """
-        offset = self.allocator.allocate(block_bytes, hold=True)
-        if offset is not None:
-            return offset
+        allocator = self.allocator
+        offsets = allocator.allocate_many(block_bytes, count, hold=True)
+        need = count - len(offsets)
+        if need == 0:
+            return offsets
         freed_elsewhere = 0
         rounds = 0
-        while freed_elsewhere < self.allocator.slab_bytes:
+        while allocator.available(block_bytes) < need:
+            rounds += 1
+            if rounds % 64 == 0 and deadline is not None and time.monotonic() > deadline:
+                break  # grant what is free; the RPC layer undoes everything if the caller has left
+            if freed_elsewhere >= allocator.slab_bytes:
+                freed_elsewhere = 0
+                if self._move_slab(block_bytes):
+                    continue
             victim = self.policy.next_victim(self._is_pinned)
             if victim is None:
-                break
+                if not self._move_slab(block_bytes):
+                    break  # nothing evictable is left
+                continue
             entry = self._index.get(victim)
             if entry is None or entry.state != SEALED or entry.pins:
                 # The policy tracks a key the engine no longer holds as resident: resync and go on.
@@ -798,20 +797,20 @@ class KVEngine:
                 self.policy.on_remove(victim)
                 continue
             self._evict(entry)
-            offset = self.allocator.allocate(block_bytes, hold=True)
-            if offset is not None:
-                return offset
-            freed_elsewhere += entry.length
-            rounds += 1
-            if rounds % 64 == 0 and deadline is not None and time.monotonic() > deadline:
-                raise DeadlineExceeded("deadline passed while evicting")
+            if entry.length != block_bytes:
+                freed_elsewhere += entry.length
+        offsets += allocator.allocate_many(block_bytes, need, hold=True)
+        return offsets
+
+    def _move_slab(self, block_bytes: int) -> bool:
+        """Evicts every block of the emptiest movable slab of another size; False if there is none."""
         slab = self.allocator.reclaimable_slab(block_bytes)
         if slab is None:
-            return None
+            return False
         for slot_offset in self.allocator.used_offsets(slab):
             self._evict(self._index.at_offset(slot_offset))
         self.allocator.note_slab_move()
-        return self.allocator.allocate(block_bytes, hold=True)
+        return True
 
     def _reap_loop(self) -> None:
         while not self._stop.wait(self.config.reaper_interval_s):

@@ -12,6 +12,11 @@ timed too, as the floor. Time to ready is launch -> /v1/models answers 200; ever
 with one completion. Medians are reported. The largest P is what this machine's free memory
 allows: vLLM itself needs ~2.5 GiB, the pool P (embedded or in the server, never both at once),
 plus a margin; the run refuses sizes that do not fit instead of swapping.
+
+The pool's pre-fault time is recorded for both owners (the server's ready line; the embedded
+engine's pegaflow_pool_prefault_seconds, read from its /metrics): it is what the embedded mode
+adds to vLLM's start, and on this VM first touch of fresh memory ranges from ~0.5 to ~20 s/GiB
+depending on what the host has already backed (8 GiB once took 166 s), so it explains the spread.
 """
 
 from __future__ import annotations
@@ -22,10 +27,13 @@ import pathlib
 import statistics
 import sys
 import time
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from pegaflow.bench.experiments.common import make_workdir, say
 from pegaflow.bench.harness import connector_config, loadgen, models, plots, results
-from pegaflow.bench.harness.pegaflow_proc import PegaflowServerProcess
+from pegaflow.bench.harness.pegaflow_proc import PegaflowServerProcess, free_local_addr
 from pegaflow.bench.harness.procs import mem_available_bytes
 from pegaflow.bench.harness.vllm_fleet import CpuPlacement, VllmConfig, VllmFleet
 
@@ -77,13 +85,26 @@ def check_memory(setup: Setup) -> dict:
     return {"mem_available_bytes": available, "needed_bytes": need}
 
 
-def time_vllm(config: VllmConfig, run_dir: pathlib.Path, timeout_s: float) -> dict:
-    """One cold start of one vLLM: seconds to ready, memory at ready, one completion as proof."""
+def time_vllm(
+    config: VllmConfig, run_dir: pathlib.Path, timeout_s: float, pool_metrics: str | None = None
+) -> dict:
+    """One cold start of one vLLM: seconds to ready, memory at ready, one completion as proof, and
+    (embedded mode, `pool_metrics` = its /metrics address) how long the worker's pool pre-fault took."""
     with VllmFleet([config], run_dir) as fleet:
         (ready_s,) = fleet.start(timeout_s)
         memory = fleet.memory()[0]
+        prefault_s = embedded_prefault_s(pool_metrics) if pool_metrics else None
         loadgen.run_warmup(fleet.endpoints, config.served_model_name)
-    return {"ready_s": ready_s, "memory_at_ready": memory}
+    return {"ready_s": ready_s, "memory_at_ready": memory, "pool_prefault_s": prefault_s}
+
+
+def embedded_prefault_s(metrics_addr: str) -> float | None:
+    with urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    for family in text_string_to_metric_families(text):
+        if family.name == "pegaflow_pool_prefault_seconds" and family.samples:
+            return float(family.samples[0].value)
+    return None
 
 
 def server_owned_runs(setup: Setup, base: VllmConfig, size: int, workdir: pathlib.Path) -> tuple[dict, dict]:
@@ -112,12 +133,23 @@ def server_owned_runs(setup: Setup, base: VllmConfig, size: int, workdir: pathli
 def embedded_runs(setup: Setup, base: VllmConfig, size: int, workdir: pathlib.Path) -> dict:
     """vLLM cold-started `runs` times, its worker allocating and pre-faulting the pool itself."""
     gib = size / GIB
-    embedded = dataclasses.replace(base, kv_transfer_config=connector_config.embedded_pool(size))
     runs = []
     for r in range(setup.runs):
-        runs.append(time_vllm(embedded, workdir / f"embedded-{gib:.0f}g-{r}", setup.ready_timeout_s))
-        say(f"P={gib:.0f} GiB embedded run {r}: vLLM ready in {runs[-1]['ready_s']:.1f} s")
-    return {"runs": runs, "ready_s_stats": stats_of([x["ready_s"] for x in runs])}
+        metrics_addr = free_local_addr()
+        kv = connector_config.embedded_pool(size, metrics_addr=metrics_addr)
+        embedded = dataclasses.replace(base, kv_transfer_config=kv)
+        runs.append(
+            time_vllm(embedded, workdir / f"embedded-{gib:.0f}g-{r}", setup.ready_timeout_s, metrics_addr)
+        )
+        say(
+            f"P={gib:.0f} GiB embedded run {r}: vLLM ready in {runs[-1]['ready_s']:.1f} s "
+            f"(the worker's pool pre-fault: {runs[-1]['pool_prefault_s']} s of it)"
+        )
+    stats = {"runs": runs, "ready_s_stats": stats_of([x["ready_s"] for x in runs])}
+    prefaults = [x["pool_prefault_s"] for x in runs if x["pool_prefault_s"] is not None]
+    if prefaults:
+        stats["pool_prefault_s_stats"] = stats_of(prefaults)
+    return stats
 
 
 def run(setup: Setup, workdir: pathlib.Path, model_cache: pathlib.Path | None = None) -> dict:

@@ -30,13 +30,19 @@ def shared_pool(server_addr: str, timeouts: Mapping[str, int] | None = None) -> 
 
 
 def embedded_pool(
-    pool_bytes: int, timeouts: Mapping[str, int] | None = None, stats_addr: str | None = None
+    pool_bytes: int,
+    timeouts: Mapping[str, int] | None = None,
+    stats_addr: str | None = None,
+    metrics_addr: str | None = None,
 ) -> dict:
     """The worker runs the cache engine in-process with a pool of pool_bytes; `stats_addr`
-    ("127.0.0.1:<port>") makes its gRPC service listen there so GetStats can be read."""
+    ("127.0.0.1:<port>") makes its gRPC service listen there so GetStats can be read, and
+    `metrics_addr` serves its Prometheus /metrics (pool pre-fault time included)."""
     if pool_bytes <= 0:
         raise ValueError(f"pool_bytes must be > 0, got {pool_bytes}")
     extra = {"embedded_pool_size": f"{pool_bytes}b", **(timeouts or {})}
     if stats_addr is not None:
         extra["embedded_addr"] = stats_addr
+    if metrics_addr is not None:
+        extra["embedded_http_addr"] = metrics_addr
     return _kv_transfer_config(extra)

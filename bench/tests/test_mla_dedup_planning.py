@@ -25,8 +25,8 @@ def _budget(setup):
 def test_the_budget_holds_the_working_set_once_but_not_per_rank():
     for setup in (mla_dedup.FULL, mla_dedup.REGRESSION):
         _, budget = _budget(setup)
-        assert budget["capacity_blocks"] >= budget["target_blocks"]
-        assert budget["logical_capacity_blocks"]["per_rank"] < budget["target_blocks"]
+        assert budget["capacity_blocks"] >= budget["working_set_blocks"] == budget["target_blocks"]
+        assert budget["logical_capacity_blocks"]["per_rank"] < budget["working_set_blocks"]
         model = budget["lru_model"]
         assert model["once"]["block_hit_rate"] >= 0.95 * budget["unbounded_lru"]["block_hit_rate"]
         assert (
@@ -100,7 +100,12 @@ def test_tp8_arithmetic_and_verdict_and_figure(tmp_path):
     # the fitted cost model reproduces the two measured arms
     a, b = tp8["cost_model"]["seconds_per_request"], tp8["cost_model"]["seconds_per_computed_token"]
     assert np.isclose(1 / (a + b * 150), 0.5) and np.isclose(1 / (a + b * 360), 0.3)
-    assert tp8["pool_bytes_needed_for_working_set"]["per_rank_tp8"] == 8 * budget["working_set_bytes_once"]
+    ws = budget["working_set_blocks"] * budget["block_bytes"]
+    assert tp8["pool_bytes_needed_for_working_set"] == {
+        "once": ws,
+        "per_rank_tp2": 2 * ws,
+        "per_rank_tp8": 8 * ws,
+    }
     ok, problems = mla_dedup.regression_verdict(report)
     assert ok, problems
     report["arms"]["per_rank"]["summary"]["block_hit_rate"] = 0.7

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from pegaflow.connector.metadata import BlockTransfer, PegaConnectorMetadata
-from pegaflow.connector.namespace import is_writer
+from pegaflow.connector.mla import writer_rank
 from pegaflow.connector.scheduler import ServerPrefixLookup
 from pegaflow.connector.server_link import ServerLink
 from pegaflow.connector.tests.support import (
@@ -130,18 +130,26 @@ def test_namespaces_isolate_models_and_mla_ranks_share_one_copy(server):
         save_and_wait(model_a, "r1", [0, 1, 2, 3], hs)
         assert lookup_b(hs) == 0  # another model never sees these blocks
         assert lookup_a_rank1(hs) == 0  # nor does another TP layout of the same model
-        # MLA: only rank 0 writes; rank 1 still reports its requests done
-        assert is_writer(mla0.layout) and not is_writer(mla1.layout)
-        mla_hashes = hashes("mla-prompt", 3)
-        save_and_wait(mla1, "m1", [5, 6, 7], mla_hashes)
-        assert mla1.stats["saved_blocks"] == 0 and lookup_mla(mla_hashes) == 0
-        save_and_wait(mla0, "m1", [5, 6, 7], mla_hashes)
-        assert lookup_mla(mla_hashes) == 3
-        # ... and rank 1 loads rank 0's copy
-        _, failed = step(mla1, load_meta("m2", [10, 11, 12], mla_hashes))
-        assert failed == set()
-        for s, d in zip([5, 6, 7], [10, 11, 12], strict=True):
-            assert block_bytes(mla1_caches, d) == block_bytes(mla0_caches, s)
+        # MLA: one copy per TP group, each block written by one rank, spread over the ranks
+        mla_hashes = hashes("mla-prompt", 8)
+        owners = [writer_rank(h, 2) for h in mla_hashes]
+        assert 0 < owners.count(1) < len(owners)  # fixed hashes: both ranks own some
+        src = list(range(5, 13))
+        save_and_wait(mla1, "m1", src, mla_hashes)  # rank 1 stores only its own blocks...
+        assert mla1.stats["saved_blocks"] == owners.count(1)
+        assert mla1.stats["save_blocks_other_rank"] == owners.count(0)
+        assert lookup_mla(mla_hashes) == owners.index(0)  # ...and a prefix stops at a gap
+        save_and_wait(mla0, "m1", src, mla_hashes)
+        assert mla0.stats["saved_blocks"] == owners.count(0)
+        assert lookup_mla(mla_hashes) == len(mla_hashes)
+        # every rank loads the same stored copy: each block's bytes are its writer's
+        dst = list(range(20, 28))
+        for w, w_caches in ((mla0, mla0_caches), (mla1, mla1_caches)):
+            _, failed = step(w, load_meta("m2", dst, mla_hashes))
+            assert failed == set()
+            for s, d, owner in zip(src, dst, owners, strict=True):
+                writer_caches = mla0_caches if owner == 0 else mla1_caches
+                assert block_bytes(w_caches, d) == block_bytes(writer_caches, s)
     finally:
         for x in (model_a, mla0, mla1):
             x.shutdown()

@@ -61,7 +61,7 @@ class _Slab:
 
 
 class _SizeClass:
-    __slots__ = ("block_bytes", "stride", "slabs", "partial", "partial_heap", "used")
+    __slots__ = ("block_bytes", "stride", "slabs", "partial", "partial_heap", "used", "free_slots")
 
     def __init__(self, block_bytes: int, stride: int):
         self.block_bytes = block_bytes
@@ -72,6 +72,7 @@ class _SizeClass:
         self.partial: set[int] = set()
         self.partial_heap: list[int] = []
         self.used = 0
+        self.free_slots = 0  # free slots in this size's slabs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +148,8 @@ class SlabAllocator:
             take = min(count - len(out), len(slab.free))
             taken = slab.free[-take:]
             del slab.free[-take:]
-            taken.reverse()
+            # Ascending, so blocks freed together (an evicted batch) are handed out as one run.
+            taken.sort()
             out.extend(taken)
             slab.used += take
             if hold:
@@ -155,8 +157,15 @@ class SlabAllocator:
             if not slab.free:
                 cls.partial.discard(slab.index)
         cls.used += len(out)
+        cls.free_slots -= len(out)
         self.used_bytes += len(out) * block_bytes
         return out
+
+    def available(self, block_bytes: int) -> int:
+        """Slots a block of this size could get without evicting: its free slots plus the free slabs."""
+        cls = self._classes.get(block_bytes)
+        free_in_class = cls.free_slots if cls is not None else 0
+        return free_in_class + len(self._free_slabs) * (self.slab_bytes // slot_stride(block_bytes))
 
     def free(self, offset: int) -> None:
         """Returns a slot. An emptied slab goes back to the free list, available to any size."""
@@ -167,6 +176,7 @@ class SlabAllocator:
         slab.free.append(offset)
         slab.used -= 1
         cls.used -= 1
+        cls.free_slots += 1
         self.used_bytes -= slab.block_bytes
         if slab.used == 0:
             if slab.holds:
@@ -262,6 +272,7 @@ class SlabAllocator:
         slab = _Slab(index, index * self.slab_bytes, cls.block_bytes, cls.stride, nslots)
         self._slabs[index] = slab
         cls.slabs.add(index)
+        cls.free_slots += nslots
         self._mark_partial(cls, index)
         return slab
 
@@ -274,6 +285,7 @@ class SlabAllocator:
             cls.partial_heap = sorted(cls.partial)
 
     def _release_slab(self, cls: _SizeClass, slab: _Slab) -> None:
+        cls.free_slots -= len(slab.free)
         self._slabs[slab.index] = None
         cls.slabs.discard(slab.index)
         cls.partial.discard(slab.index)
