@@ -1,6 +1,9 @@
 """The pegaflow client: ``PegaClient`` (sync) and ``AsyncPegaClient`` (asyncio).
 
-from pegaflow.client import PegaClient, KvLayout, errors
+from pegaflow.client import PegaClient, KvLayout, QueryPurpose, errors
+
+The client never imports server code (pegaflow.server): a vLLM process that only
+talks to a server pays for no more than the client.
 """
 
 from pegaflow.client import errors
@@ -14,6 +17,7 @@ from pegaflow.client.types import (
     KvLayout,
     Location,
     PrefixHit,
+    QueryPurpose,
     SaveBatch,
     ServerLimits,
     Tier,
@@ -28,6 +32,7 @@ __all__ = [
     "Location",
     "PegaClient",
     "PrefixHit",
+    "QueryPurpose",
     "SaveBatch",
     "ServerLimits",
     "Tier",

@@ -1,51 +1,33 @@
 """AsyncPegaClient: the asyncio pegaflow client (same API as PegaClient, coroutines instead of calls).
 
-Behaviour matches the sync client: a deadline on every call, ServerUnavailable
-at once on transport failure, and a background task that heartbeats, watches
-the pool connection and reconnects with exponential backoff (new session, pool
-re-mapped under the new epoch, InstanceHandles re-registered in place). Use one
-client per event loop.
+Behaviour matches the sync client (both build on client/base.py): a deadline
+on every call, ServerUnavailable at once on transport failure, and a background
+task that heartbeats, watches the pool connection and reconnects with
+exponential backoff (new session, pool fd received under the new epoch,
+InstanceHandles re-registered in place). Use one client per event loop. The
+GPU data path's calls are the sync client's only.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import os
-import socket
 import time
 from collections.abc import Sequence
 
 import grpc
 import grpc.aio
-import numpy as np
 
 from pegaflow.client import errors
 from pegaflow.client import rpc_codec as codec
 from pegaflow.client.backoff import Backoff
+from pegaflow.client.base import ClientBase, Connection, HeartbeatWatch, log
 from pegaflow.client.pool_map import PoolMapping
-from pegaflow.client.types import InstanceHandle, KvLayout, Location, PrefixHit, SaveBatch, ServerLimits
+from pegaflow.client.types import InstanceHandle, KvLayout, Location, PrefixHit, QueryPurpose, SaveBatch
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
 
-log = logging.getLogger(__name__)
 
-
-class _Connection:
-    __slots__ = ("channel", "stub", "session_id", "epoch", "mapping", "heartbeat_s", "ttl_s", "limits")
-
-    def __init__(self, channel, stub, session_id, epoch, mapping, heartbeat_s, ttl_s, limits):
-        self.channel: grpc.aio.Channel = channel
-        self.stub: pb_grpc.EngineStub = stub
-        self.session_id: str = session_id
-        self.epoch: str = epoch
-        self.mapping: PoolMapping | None = mapping
-        self.heartbeat_s: float = heartbeat_s
-        self.ttl_s: float = ttl_s
-        self.limits: ServerLimits = limits
-
-
-class AsyncPegaClient:
+class AsyncPegaClient(ClientBase):
     def __init__(
         self,
         address: str = "127.0.0.1:50055",
@@ -54,33 +36,21 @@ class AsyncPegaClient:
         map_pool: bool = True,
         backoff: Backoff | None = None,
     ):
-        if timeout_s <= 0:
-            raise ValueError("timeout_s must be positive")
-        self.address = address
-        self.timeout_s = timeout_s
-        self.name = name
-        self.map_pool = map_pool
-        self._backoff = backoff or Backoff()
+        super().__init__(address, timeout_s, name, map_pool, backoff)
         self._establish_lock: asyncio.Lock | None = None
-        self._conn: _Connection | None = None
-        self._instances: list[InstanceHandle] = []
-        self._retired: list[PoolMapping] = []
         self._wake: asyncio.Event | None = None
-        self._closed = False
         self._worker: asyncio.Task | None = None
         self._undo_tasks: set[asyncio.Task] = set()
-        self.sessions_opened = 0
 
     # ------------------------------------------------------------- lifecycle
 
     async def connect(self, timeout_s: float | None = None) -> None:
-        """Session + pool mapping + heartbeat task; raises ServerUnavailable (and keeps trying)."""
+        """Session + pool fd + heartbeat task; raises ServerUnavailable (and keeps trying)."""
         if self._closed:
             raise errors.PegaflowError("client is closed")
         self._start_worker()
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
         try:
-            await self._establish(deadline)
+            await self._establish(time.monotonic() + self._timeout(timeout_s))
         except errors.ServerUnavailable:
             self._wake.set()
             raise
@@ -98,19 +68,18 @@ class AsyncPegaClient:
             except (asyncio.CancelledError, Exception):
                 pass
         if self._undo_tasks:  # give pending releases / aborts their chance, within the timeout
-            await asyncio.wait(list(self._undo_tasks), timeout=timeout_s or self.timeout_s)
-        conn, self._conn = self._conn, None
+            await asyncio.wait(list(self._undo_tasks), timeout=self._timeout(timeout_s))
+        with self._lock:
+            conn, self._conn = self._conn, None
         if conn is not None:
             try:
                 await conn.stub.CloseSession(
-                    pb.CloseSessionRequest(session_id=conn.session_id), timeout=timeout_s or self.timeout_s
+                    pb.CloseSessionRequest(session_id=conn.session_id), timeout=self._timeout(timeout_s)
                 )
             except grpc.RpcError:
                 pass
             await self._drop_connection(conn)
-        for mapping in self._retired:
-            mapping.release()
-        self._retired = []
+        self._release_retired()
 
     async def __aenter__(self) -> AsyncPegaClient:
         await self.connect()
@@ -119,33 +88,6 @@ class AsyncPegaClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    @property
-    def connected(self) -> bool:
-        return self._conn is not None
-
-    @property
-    def session_id(self) -> str:
-        return self._conn.session_id if self._conn else ""
-
-    @property
-    def epoch(self) -> str:
-        return self._conn.epoch if self._conn else ""
-
-    @property
-    def limits(self) -> ServerLimits | None:
-        return self._conn.limits if self._conn else None
-
-    def pool_view(self, epoch: str | None = None) -> np.ndarray:
-        """The mapped pool as a uint8 array; StaleEpoch if ``epoch`` is not the current mapping's."""
-        conn = self._require()
-        if conn.mapping is None:
-            raise errors.PegaflowError("this client was created with map_pool=False")
-        if epoch is not None and epoch != conn.epoch:
-            raise errors.StaleEpoch(
-                f"locations of epoch {epoch} are stale: the pool is now epoch {conn.epoch}"
-            )
-        return conn.mapping.view()
-
     # ------------------------------------------------------------- instances
 
     async def register_instance(
@@ -153,22 +95,25 @@ class AsyncPegaClient:
     ) -> InstanceHandle:
         """As PegaClient.register_instance: an unregistered handle if the server is unreachable."""
         handle = InstanceHandle(layout, name or self.name)
-        self._instances.append(handle)
-        conn = self._conn
+        with self._lock:
+            self._instances.append(handle)
+            conn = self._conn
         if conn is None:
             return handle
         try:
-            await self._register(conn, handle, time.monotonic() + (timeout_s or self.timeout_s))
+            await self._register(conn, handle, time.monotonic() + self._timeout(timeout_s))
         except errors.InvalidArgument:
-            self._instances.remove(handle)
+            with self._lock:
+                self._instances.remove(handle)
             raise
         except errors.ServerUnavailable as exc:
             await self._lost(conn, exc)
         return handle
 
     async def unregister_instance(self, handle: InstanceHandle, timeout_s: float | None = None) -> None:
-        if handle in self._instances:
-            self._instances.remove(handle)
+        with self._lock:
+            if handle in self._instances:
+                self._instances.remove(handle)
         if handle.registered:
             instance_id = handle.instance_id
             handle._clear()
@@ -185,14 +130,9 @@ class AsyncPegaClient:
         lease: bool = False,
         lease_ttl_s: float | None = None,
         timeout_s: float | None = None,
+        purpose: QueryPurpose = QueryPurpose.LOOKUP,
     ) -> PrefixHit:
-        req = pb.QueryPrefixRequest(
-            instance_id=self._instance_id(inst),
-            block_hashes=codec.check_hashes(hashes, self.limits),
-            lease=lease,
-            lease_ttl_ms=int(lease_ttl_s * 1000) if lease_ttl_s else 0,
-            lease_id=codec.new_id("l-") if lease else "",
-        )
+        req = self._query_request(inst, hashes, lease, lease_ttl_s, purpose)
         try:
             return codec.prefix_hit(await self._call("QueryPrefix", req, timeout_s))
         except errors.DeadlineExceeded:
@@ -214,11 +154,7 @@ class AsyncPegaClient:
     async def allocate(
         self, inst: InstanceHandle, hashes: Sequence[bytes], timeout_s: float | None = None
     ) -> SaveBatch:
-        req = pb.AllocateBlocksRequest(
-            instance_id=self._instance_id(inst),
-            block_hashes=codec.check_hashes(hashes, self.limits),
-            save_id=codec.new_id("w-"),
-        )
+        req = self._allocate_request(inst, hashes)
         try:
             return codec.save_batch(await self._call("AllocateBlocks", req, timeout_s))
         except errors.DeadlineExceeded:
@@ -228,10 +164,7 @@ class AsyncPegaClient:
     async def seal(
         self, save_id: str, hashes: Sequence[bytes] | None = None, timeout_s: float | None = None
     ) -> int:
-        req = pb.SealBlocksRequest(
-            save_id=save_id, block_hashes=codec.check_hashes(hashes or (), self.limits)
-        )
-        return (await self._call("SealBlocks", req, timeout_s)).sealed
+        return (await self._call("SealBlocks", self._seal_request(save_id, hashes), timeout_s)).sealed
 
     async def abort(self, save_id: str, timeout_s: float | None = None) -> int:
         return (await self._call("AbortBlocks", pb.AbortBlocksRequest(save_id=save_id), timeout_s)).freed
@@ -241,35 +174,14 @@ class AsyncPegaClient:
 
     # -------------------------------------------------------------- internals
 
-    def _require(self) -> _Connection:
-        conn = self._conn
-        if conn is None:
-            if self._closed:
-                raise errors.PegaflowError("client is closed")
-            raise errors.ServerUnavailable(
-                f"not connected to {self.address} (reconnecting in the background)"
-            )
-        return conn
-
-    def _instance_id(self, inst: InstanceHandle) -> str:
-        if not inst.instance_id and inst.rejection:
-            raise errors.InvalidArgument(f"instance {inst.name!r} rejected by the server: {inst.rejection}")
-        if not inst.instance_id:
-            raise errors.ServerUnavailable(
-                f"instance {inst.name!r} is not registered yet (server unreachable)"
-            )
-        return inst.instance_id
-
-    async def _call(self, method: str, request, timeout_s: float | None, conn: _Connection | None = None):
+    async def _call(self, method: str, request, timeout_s: float | None, conn: Connection | None = None):
         conn = conn or self._require()
         if hasattr(request, "session_id"):
             request.session_id = conn.session_id
         try:
-            return await getattr(conn.stub, method)(request, timeout=timeout_s or self.timeout_s)
-        except grpc.RpcError as err:
-            exc = codec.translate(err, method)
-        except (ValueError, RuntimeError) as err:  # channel closed by a concurrent reconnect
-            exc = errors.ServerUnavailable(f"{method}: {err}")
+            return await getattr(conn.stub, method)(request, timeout=self._timeout(timeout_s))
+        except (grpc.RpcError, ValueError, RuntimeError) as err:
+            exc = self._translate(err, method)
         if codec.needs_reconnect(exc):
             await self._lost(conn, exc)
         raise exc
@@ -291,31 +203,20 @@ class AsyncPegaClient:
         self._undo_tasks.add(task)  # keep a reference until it is done
         task.add_done_callback(self._undo_tasks.discard)
 
-    async def _lost(self, conn: _Connection, exc: Exception) -> None:
-        if self._conn is not conn:
-            return
-        self._conn = None
-        log.warning(
-            "pegaflow: lost session %s with %s: %s; reconnecting in the background",
-            conn.session_id,
-            self.address,
-            exc,
-        )
-        await self._drop_connection(conn)
-        if self._wake is not None:
-            self._wake.set()
+    async def _lost(self, conn: Connection, exc: Exception) -> None:
+        if self._detach(conn, exc):
+            await self._drop_connection(conn)
+            if self._wake is not None:
+                self._wake.set()
 
-    async def _drop_connection(self, conn: _Connection) -> None:
-        if conn.mapping is not None and not conn.mapping.release():
-            self._retired.append(conn.mapping)
+    async def _drop_connection(self, conn: Connection) -> None:
+        self._release_pool(conn)
         await conn.channel.close(grace=None)
 
-    async def _register(self, conn: _Connection, handle: InstanceHandle, deadline: float) -> None:
-        req = pb.RegisterInstanceRequest(
-            layout=codec.layout_message(handle.layout), instance_name=handle.name
-        )
+    async def _register(self, conn: Connection, handle: InstanceHandle, deadline: float) -> None:
+        req = self._register_request(handle)
         resp = await self._call("RegisterInstance", req, max(deadline - time.monotonic(), 0.001), conn=conn)
-        handle._set(resp.instance_id, resp.namespace_id, conn.epoch)
+        self._registered(conn, handle, resp)
 
     async def _establish(self, deadline: float) -> None:
         if self._establish_lock is None:
@@ -331,53 +232,34 @@ class AsyncPegaClient:
             conn = None
             try:
                 stub = pb_grpc.EngineStub(channel)
-                req = pb.OpenSessionRequest(
-                    client_name=self.name, pid=os.getpid(), hostname=socket.gethostname()
-                )
                 try:
-                    resp = await stub.OpenSession(req, timeout=max(deadline - time.monotonic(), 0.001))
+                    resp = await stub.OpenSession(
+                        self._open_session_request(), timeout=max(deadline - time.monotonic(), 0.001)
+                    )
                 except grpc.RpcError as err:
                     raise codec.translate(err, "OpenSession") from None
-                mapping = None
+                pool = None
                 if self.map_pool:
                     remaining = max(deadline - time.monotonic(), 0.001)
-                    mapping = await asyncio.get_running_loop().run_in_executor(
+                    pool = await asyncio.get_running_loop().run_in_executor(
                         None, PoolMapping.open, resp.pool.fd_socket_path, resp.session_id, remaining
                     )
-                conn = _Connection(
-                    channel,
-                    stub,
-                    resp.session_id,
-                    resp.pool.epoch,
-                    mapping,
-                    resp.heartbeat_interval_ms / 1000.0,
-                    resp.ttl_ms / 1000.0,
-                    codec.limits_from(resp.limits),
-                )
-                for handle in list(self._instances):
+                conn = Connection(channel, stub, resp, pool)
+                with self._lock:
+                    handles = list(self._instances)
+                for handle in handles:
                     try:
                         await self._register(conn, handle, deadline)
                     except errors.InvalidArgument as exc:
-                        handle._clear()
-                        handle.rejection = str(exc)
-                        log.error(
-                            "pegaflow: server %s rejects instance %r after reconnect: %s",
-                            self.address,
-                            handle.name,
-                            exc,
-                        )
+                        self._rejected_after_reconnect(handle, exc)
+                if not self._take_current(conn):
+                    raise errors.PegaflowError("client is closed")
             except BaseException:
                 if conn is not None:
                     await self._drop_connection(conn)
                 else:
                     await channel.close(grace=None)
                 raise
-            self._conn = conn
-            self.sessions_opened += 1
-            self._backoff.reset()
-            log.info(
-                "pegaflow: session %s with %s (pool epoch %s)", conn.session_id, self.address, conn.epoch
-            )
         finally:
             self._establish_lock.release()
 
@@ -397,13 +279,13 @@ class AsyncPegaClient:
         self._wake.clear()
 
     async def _run(self) -> None:
-        missed_since: float | None = None
+        watch = HeartbeatWatch()
         while not self._closed:
             conn = self._conn
             if conn is None:
                 try:
                     await self._establish(time.monotonic() + self.timeout_s)
-                    missed_since = None
+                    watch.answered()
                     continue
                 except errors.PegaflowError as exc:
                     delay = self._backoff.next()
@@ -415,13 +297,14 @@ class AsyncPegaClient:
                 except Exception:
                     delay = self._backoff.next()
                     log.exception("pegaflow: reconnect to %s failed unexpectedly", self.address)
+                self._release_retired()
                 await self._sleep(delay)
                 continue
             await self._sleep(conn.heartbeat_s)
             if self._closed or self._conn is not conn:
                 continue
-            self._retired = [m for m in self._retired if not m.release()]
-            if conn.mapping is not None and conn.mapping.server_gone():
+            self._release_retired()
+            if conn.pool is not None and conn.pool.server_gone():
                 await self._lost(conn, errors.ServerUnavailable("the server closed the pool connection"))
                 continue
             try:
@@ -429,20 +312,18 @@ class AsyncPegaClient:
                     "Heartbeat", pb.HeartbeatRequest(), min(conn.heartbeat_s, self.timeout_s), conn
                 )
             except errors.DeadlineExceeded:
-                now = time.monotonic()
-                missed_since = missed_since or now
-                if now - missed_since > conn.ttl_s:
+                if watch.missed(conn):
                     await self._lost(
                         conn, errors.ServerUnavailable("no heartbeat answer within the session TTL")
                     )
                 continue
             except errors.PegaflowError:
                 continue
-            missed_since = None
+            watch.answered()
             if resp.epoch != conn.epoch:
                 await self._lost(conn, errors.SessionLost(f"server epoch changed to {resp.epoch}"))
                 continue
-            for handle in [h for h in self._instances if not h.registered and not h.rejection]:
+            for handle in self._stragglers():
                 try:
                     await self._register(conn, handle, time.monotonic() + self.timeout_s)
                 except errors.InvalidArgument as exc:

@@ -1,13 +1,17 @@
-"""Maps the server's KV pool into this process by fd passing (see server/pool/fd_broker.py).
+"""The server's KV pool in this process: fd passing at connect, the mapping on first use.
 
-The Unix connection that delivered the fd stays open for the session's life:
-the server ends our session the moment it closes (so a killed client's leases
-and unsealed blocks are reclaimed at once), and we see the server's death as
-EOF on it.
+At connect the client proves its session on the server's fd-broker socket (see
+server/pool/fd_broker.py) and receives the pool's memfd. That Unix connection
+stays open for the session's life: the server ends our session the moment it
+closes (so a killed client's leases and unsealed blocks are reclaimed at once),
+and we see the server's death as EOF on it.
 
-Page tables are filled in a background thread (madvise MADV_POPULATE_WRITE
-through ctypes, which releases the GIL), so connect() does not wait for a big
-pool and the first copies do not pay a page fault per 4 KiB.
+The pool is mapped only when this process first asks for its bytes
+(``PoolMapping.view``): a process that never copies (vLLM's scheduler, a stats
+or lookup-only client) keeps the fd and the liveness connection but maps
+nothing. A mapping's page tables are then filled in a background thread (madvise
+MADV_POPULATE_WRITE through ctypes, which releases the GIL), so the first
+copies do not pay a page fault per 4 KiB page.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ def _populate_pages(mapping: mmap.mmap, size: int, stop: threading.Event) -> Non
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         view = np.frombuffer(mapping, dtype=np.uint8)
         base = view.ctypes.data
-        del view  # do not keep the buffer exported: close() must be able to unmap
+        del view  # do not keep the buffer exported: release() must be able to unmap
     except (ValueError, OSError, AttributeError):
         return
     for advice in (_MADV_POPULATE_WRITE, _MADV_POPULATE_READ):
@@ -65,28 +69,24 @@ def _populate_pages(mapping: mmap.mmap, size: int, stop: threading.Event) -> Non
 
 
 class PoolMapping:
-    """One mapping of one server epoch."""
+    """The pool of one server epoch: its fd-broker connection and fd, mapped on first ``view()``."""
 
-    def __init__(self, sock: socket.socket, mapping: mmap.mmap, epoch: str, size_bytes: int, hugepages: bool):
+    def __init__(self, sock: socket.socket, fd: int, epoch: str, size_bytes: int, hugepages: bool):
         self.epoch = epoch
         self.size_bytes = size_bytes
         self.hugepages = hugepages
         self._sock: socket.socket | None = sock
-        self._mapping: mmap.mmap | None = mapping
+        self._fd = fd  # -1 once mapped (the mapping holds the memfd) or released
+        self._lock = threading.Lock()
+        self._mapping: mmap.mmap | None = None
         self._view: np.ndarray | None = None
+        self._released = False
         self._stop_populate = threading.Event()
         self.populated = threading.Event()  # set once the page tables are filled (or that was given up)
-        self._populate = threading.Thread(
-            target=_populate,
-            args=(mapping, size_bytes, self._stop_populate, self.populated),
-            name="pegaflow-pool-populate",
-            daemon=True,
-        )
-        self._populate.start()
 
     @classmethod
     def open(cls, socket_path: str, session_id: str, timeout_s: float) -> PoolMapping:
-        """Connects, proves the session, receives the memfd and maps it. Raises ServerUnavailable."""
+        """Connects, proves the session and receives the memfd (not mapped yet). Raises ServerUnavailable."""
         deadline = time.monotonic() + timeout_s
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         fds: list[int] = []
@@ -112,26 +112,54 @@ class PoolMapping:
             size = int(header["size_bytes"])
             if os.fstat(fds[0]).st_size < size:
                 raise ServerUnavailable("pool fd is smaller than the announced pool size")
-            mapping = mmap.mmap(fds[0], size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            pool = cls(sock, fds.pop(), str(header["epoch"]), size, bool(header.get("hugepages", False)))
         except ServerUnavailable:
             sock.close()
             raise
         except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
             sock.close()
-            raise ServerUnavailable(f"cannot map the pool through {socket_path}: {exc}") from exc
+            raise ServerUnavailable(f"cannot receive the pool through {socket_path}: {exc}") from exc
         finally:
             for fd in fds:
-                os.close(fd)  # mmap keeps its own reference
+                os.close(fd)
         sock.setblocking(False)
-        return cls(sock, mapping, str(header["epoch"]), size, bool(header.get("hugepages", False)))
+        return pool
+
+    @property
+    def mapped(self) -> bool:
+        return self._mapping is not None
 
     def view(self) -> np.ndarray:
-        """The whole pool as a writable uint8 array."""
-        if self._view is None:
-            if self._mapping is None:
-                raise ServerUnavailable("pool mapping is released")
-            self._view = np.frombuffer(self._mapping, dtype=np.uint8)
-        return self._view
+        """The whole pool as a writable uint8 array; maps it on the first call."""
+        view = self._view
+        if view is not None:
+            return view
+        with self._lock:
+            if self._view is None:
+                self._view = np.frombuffer(self._map(), dtype=np.uint8)
+            return self._view
+
+    def _map(self) -> mmap.mmap:
+        """Under the lock."""
+        if self._released:
+            raise ServerUnavailable("pool mapping is released")
+        if self._mapping is None:
+            try:
+                mapping = mmap.mmap(
+                    self._fd, self.size_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
+                )
+            except OSError as exc:
+                raise ServerUnavailable(f"cannot map the pool: {exc}") from exc
+            os.close(self._fd)  # the mapping keeps its own reference to the memfd
+            self._fd = -1
+            self._mapping = mapping
+            threading.Thread(
+                target=_populate,
+                args=(mapping, self.size_bytes, self._stop_populate, self.populated),
+                name="pegaflow-pool-populate",
+                daemon=True,
+            ).start()
+        return self._mapping
 
     def server_gone(self) -> bool:
         """True once the server closed our pool connection (it died, or ended our session)."""
@@ -148,22 +176,26 @@ class PoolMapping:
         except OSError:
             return True
 
-    def close_connection(self) -> None:
-        """Tells the server this session is done with the pool (it ends the session at once)."""
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-
     def release(self) -> bool:
-        """Closes the connection and unmaps. False if views handed out are still alive (retry later)."""
-        self.close_connection()
-        self._stop_populate.set()
-        if self._mapping is None:
+        """Closes the connection (the server ends the session at once), the fd and the mapping.
+
+        False if views handed out are still alive: call again later to unmap.
+        """
+        with self._lock:
+            self._released = True
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+            self._stop_populate.set()
+            if self._mapping is None:
+                return True
+            self._view = None
+            try:
+                self._mapping.close()
+            except BufferError:
+                return False
+            self._mapping = None
             return True
-        self._view = None
-        try:
-            self._mapping.close()
-        except BufferError:
-            return False
-        self._mapping = None
-        return True

@@ -22,6 +22,16 @@ class Tier(enum.IntEnum):
     DRAM = 1
 
 
+class QueryPurpose(enum.IntEnum):
+    """What a prefix query is for the server's statistics (same numbers as the proto enum).
+
+    A block should be requested once per use, however many processes then load it.
+    """
+
+    LOOKUP = 0  # a block request: counted (hits, misses, hit rate, HLL ceiling, eviction frequency)
+    LOAD = 1  # loading blocks an earlier LOOKUP counted (a worker's lease after its scheduler's lookup)
+
+
 @dataclasses.dataclass(frozen=True)
 class KvLayout:
     """Everything that makes two engines' KV bytes interchangeable (see proto KvLayout).

@@ -114,8 +114,16 @@ class GpuKvTransfer:
     def load(
         self, client: Any, handle: Any, hashes: Sequence[bytes], block_ids: Sequence[int], timeout_s: float
     ) -> int:
-        """Loads the leading stored blocks of ``hashes`` into ``block_ids``; returns how many landed."""
-        return int(client.load_to_device(handle, list(hashes), list(block_ids), timeout_s=timeout_s))
+        """Loads the leading stored blocks of ``hashes`` into ``block_ids``; returns how many landed.
+
+        A LOAD query: the scheduler's lookup already counted these blocks as requested."""
+        from pegaflow.client import QueryPurpose
+
+        return int(
+            client.load_to_device(
+                handle, list(hashes), list(block_ids), timeout_s=timeout_s, purpose=QueryPurpose.LOAD
+            )
+        )
 
 
 def _layout_tag(tensors: Sequence[Any], dims: Sequence[int]) -> str:

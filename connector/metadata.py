@@ -19,16 +19,24 @@ from pegaflow.connector.namespace import KvLayoutSpec
 
 @dataclasses.dataclass
 class BlockTransfer:
-    """Blocks of one request to move between vLLM's KV cache and the pool, in prompt order."""
+    """Blocks of one request to move between vLLM's KV cache and the pool, in prompt order.
+
+    Saves may carry the request's chain before these blocks (`head_*`: loaded, found in vLLM's
+    prefix cache, or saved in an earlier step). They are sent with the save, head first, so the
+    server keeps the chain's head ahead of its tail for eviction; stored ones cost no copy.
+    """
 
     req_id: str
     block_ids: list[int]
     block_hashes: list[bytes]
+    head_block_ids: list[int] = dataclasses.field(default_factory=list)
+    head_hashes: list[bytes] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if len(self.block_ids) != len(self.block_hashes):
+        if len(self.block_ids) != len(self.block_hashes) or len(self.head_block_ids) != len(self.head_hashes):
             raise ValueError(
                 f"request {self.req_id}: {len(self.block_ids)} block ids but {len(self.block_hashes)} hashes"
+                f" (head: {len(self.head_block_ids)} ids, {len(self.head_hashes)} hashes)"
             )
 
 

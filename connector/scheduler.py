@@ -208,7 +208,13 @@ class SchedulerConnector:
             meta.saves.append(transfer)
 
     def _unsaved_blocks(self, state: _RequestState, computed: int) -> BlockTransfer | None:
-        """The full blocks among the first `computed` tokens not yet saved (and mark them)."""
+        """The full blocks among the first `computed` tokens not yet saved (and mark them).
+
+        While prompt blocks are saved, the transfer also carries the chain before them (its
+        head): the server then keeps the head ahead of the new blocks for eviction, instead
+        of evicting a shared prompt before the continuation that is useless without it. The
+        stored head costs no copy. Output blocks, saved one at a time while decoding, go
+        alone: resending a long prompt with each would cost more than the order is worth."""
         hashes = state.request.block_hashes
         full = min(computed // self.block_size, len(hashes), len(state.block_ids))
         first = state.next_save_block
@@ -217,10 +223,13 @@ class SchedulerConnector:
         state.next_save_block = full
         state.had_saves = True
         self.saved_blocks += full - first
+        head = first if first < state.request.num_prompt_tokens // self.block_size else 0
         return BlockTransfer(
             state.request.request_id,
             list(state.block_ids[first:full]),
             [bytes(h) for h in hashes[first:full]],
+            head_block_ids=list(state.block_ids[:head]),
+            head_hashes=[bytes(h) for h in hashes[:head]],
         )
 
     # ---------------------------------------------------------- completion

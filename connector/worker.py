@@ -411,10 +411,15 @@ class WorkerConnector:
     def _lease(client: Any, inst: Any, hashes: list[bytes], job: _LoadJob) -> tuple[list[Any], str]:
         """Pin the leading stored blocks of `hashes` (in batches the server accepts); returns
         their locations, all of one epoch."""
+        from pegaflow.client import QueryPurpose
+
         locations: list[Any] = []
         epoch = ""
         for chunk in batches(hashes, client):
-            hit = client.query_prefix(inst, chunk, lease=True, timeout_s=_remaining(job.deadline))
+            # LOAD: the scheduler's lookup already counted these blocks as requested
+            hit = client.query_prefix(
+                inst, chunk, lease=True, timeout_s=_remaining(job.deadline), purpose=QueryPurpose.LOAD
+            )
             if hit.lease_id:
                 job.leases.append(hit.lease_id)
             if epoch and hit.epoch != epoch:
@@ -478,19 +483,25 @@ class WorkerConnector:
         block_ids: list[int] = []
         hashes: list[bytes] = []
         req_ids: set[str] = set()
+        nblocks = 0  # new blocks (the heads sent along are stored already)
+        lay = self.layout
         for t in saves:
             # a namespace shared by the TP group (MLA): each block has one writer rank
-            t_ids, t_hashes = mla.own_blocks(
-                self.layout.mla, self.layout.tp_rank, self.layout.tp_size, t.block_ids, t.block_hashes
-            )
+            t_ids, t_hashes = mla.own_blocks(lay.mla, lay.tp_rank, lay.tp_size, t.block_ids, t.block_hashes)
             self.stats["save_blocks_other_rank"] += len(t.block_ids) - len(t_ids)
-            for b, h in zip(t_ids, t_hashes, strict=True):
+            if not t_ids:
+                continue
+            # the chain's head goes first: the server restates the whole chain (see BlockTransfer)
+            h_ids, h_hashes = mla.own_blocks(
+                lay.mla, lay.tp_rank, lay.tp_size, t.head_block_ids, t.head_hashes
+            )
+            nblocks += len(t_ids)
+            for b, h in zip(h_ids + t_ids, h_hashes + t_hashes, strict=True):
                 if h not in seen:
                     seen.add(h)
                     block_ids.append(b)
                     hashes.append(h)
                     req_ids.add(t.req_id)
-        nblocks = len(block_ids)
         if not nblocks:
             return
         if self.link.usable() is None:

@@ -69,6 +69,18 @@ class Tier(enum.IntEnum):
     DRAM = 1
 
 
+class QueryPurpose(enum.IntEnum):
+    """Same numbers as proto QueryPurpose: what a prefix query means for the statistics.
+
+    A block is *requested* once (LOOKUP: hits, misses, hit-rate windows, HLL ceiling, the policy's
+    frequency sketch) however many times it is then *loaded* (LOAD: pins and recency only), e.g. a
+    scheduler's lookup followed by each worker rank's leasing query.
+    """
+
+    LOOKUP = 0
+    LOAD = 1
+
+
 class Location(NamedTuple):
     offset: int
     length: int
@@ -164,6 +176,8 @@ class Counters:
         "hits",
         "misses",
         "queries",
+        "load_queries",
+        "load_missed_blocks",
         "evictions",
         "sealed_blocks",
         "save_bytes",
@@ -405,10 +419,15 @@ class KVEngine:
         lease_ttl_s: float | None = None,
         deadline: float | None = None,
         lease_id: str = "",
+        purpose: QueryPurpose = QueryPurpose.LOOKUP,
+        account: bool = True,
     ) -> PrefixResult:
         """Leading sealed hits of ``hashes``; with ``lease`` they are pinned until released or expired.
 
         ``lease_id`` optionally names the lease (client-chosen, so it can release it after a timeout).
+        ``purpose``: LOOKUP counts the hashes as block requests, LOAD only renews the hits' recency
+        (see QueryPurpose). ``account=False``: the caller queries one chain in several calls and
+        accounts for all of them at once with ``account_query`` (the hits are touched either way).
         """
         self._check_hashes(hashes)
         ttl = self._lease_ttl(lease_ttl_s)
@@ -433,11 +452,43 @@ class KVEngine:
             if lease and hits:
                 taken = self._take_lease(session, instance_id, hits, ttl, lease_id)
             offsets = [e.offset for e in hits]
-            self.counters.queries += 1
-            self.counters.hits += len(hits)
-            self.counters.misses += len(hashes) - len(hits)
-        self._after_lookup(ns_index, hashes, hits)
+            if account:
+                self._count_query(purpose, len(hashes), len(hits))
+        self._after_query(purpose, ns_index, hashes, hits, account)
         return PrefixResult(len(hits), taken, offsets, namespace.block_bytes, self.epoch)
+
+    def account_query(
+        self,
+        session_id: str,
+        instance_id: str,
+        hashes: Sequence[bytes],
+        num_hits: int,
+        purpose: QueryPurpose,
+        deadline: float | None = None,
+    ) -> None:
+        """Counts ``hashes`` as one query of ``purpose`` that hit its first ``num_hits`` blocks, for a
+        caller that looked the chain up in several ``query_prefix(account=False)`` calls."""
+        self._check_hashes(hashes)
+        if not 0 <= num_hits <= len(hashes):
+            raise InvalidArgument(f"num_hits {num_hits} is not within 0..{len(hashes)}")
+        with self._locked(deadline):
+            self._live_session(session_id)
+            ns_index = self._instance(instance_id).namespace.index
+            self._count_query(purpose, len(hashes), num_hits)
+        if purpose == QueryPurpose.LOOKUP:
+            self._signal(self._lookup_signals, ns_index, hashes, num_hits)
+
+    def refresh_chain(
+        self, session_id: str, instance_id: str, hashes: Sequence[bytes], deadline: float | None = None
+    ) -> None:
+        """Renews the recency of the stored blocks of the chain ``hashes``, tail first, so that its
+        head ends the most recent; counts nothing. For a caller that saved or loaded one chain in
+        several calls, each of which left its own part head-first (the GPU data path's chunks)."""
+        self._check_hashes(hashes)
+        with self._locked(deadline):
+            self._live_session(session_id)
+            ns_index = self._instance(instance_id).namespace.index
+            self._refresh_stored(ns_index, hashes)
 
     def load_blocks(
         self, session_id: str, instance_id: str, lease_id: str, deadline: float | None = None
@@ -499,7 +550,9 @@ class KVEngine:
             namespace = self._instance(instance_id).namespace
             ns_index, block_bytes = namespace.index, namespace.block_bytes
             now = time.monotonic()
-            save = Save(session.id, instance_id, now, self.config.write_timeout_s, save_id)
+            save = Save(
+                session.id, instance_id, ns_index, tuple(hashes), now, self.config.write_timeout_s, save_id
+            )
             statuses: list[AllocStatus] = []
             new_hashes: list[bytes] = []
             new_positions: list[int] = []
@@ -534,6 +587,9 @@ class KVEngine:
                 self._saves.add(save)
                 session.saves.add(save.id)
                 save_id = save.id
+            else:
+                # Nothing to write, so no seal will restate the chain: restate it now.
+                self._refresh_stored(ns_index, save.chain)
         return AllocateResult(save_id, statuses, offsets, block_bytes, self.epoch)
 
     def seal_blocks(
@@ -554,16 +610,9 @@ class KVEngine:
                         )
             else:
                 targets = list(save.pending)
-            sealed_bytes = 0
-            # Inserted last-to-first: the policy sees a prefix's first block as the most recent, so
-            # under pressure a prefix loses its tail before its head (a head hit is worth more).
-            entries = [save.pending.pop(block_hash) for block_hash in targets]
-            self.allocator.unhold_many([entry.offset for entry in entries])
-            on_insert, seal = self.policy.on_insert, self._index.seal
-            for entry in reversed(entries):
-                seal(entry)
-                on_insert(entry.key, entry.length)
-                sealed_bytes += entry.length
+            sealing = {block_hash: save.pending.pop(block_hash) for block_hash in targets}
+            self.allocator.unhold_many([entry.offset for entry in sealing.values()])
+            sealed_bytes = self._seal_chain(save, sealing)
             save.sealed_bytes += sealed_bytes
             self.counters.sealed_blocks += len(targets)
             self.counters.save_bytes += sealed_bytes
@@ -665,18 +714,87 @@ class KVEngine:
             raise InvalidArgument(f"lease ttl must be in (0, {self.config.max_lease_ttl_s}] seconds")
         return lease_ttl_s
 
-    def _after_lookup(self, ns_index: int, hashes: Sequence[bytes], hits: list[BlockEntry]) -> None:
-        """Frequency and metrics signals, outside the engine lock (the policy has its own).
+    def _count_query(self, purpose: QueryPurpose, requested: int, hits: int) -> None:
+        """Under the lock. Only a LOOKUP is a block request; a LOAD's misses are blocks that vanished
+        between the lookup that found them and the load."""
+        counters = self.counters
+        if purpose == QueryPurpose.LOOKUP:
+            counters.queries += 1
+            counters.hits += hits
+            counters.misses += requested - hits
+        else:
+            counters.load_queries += 1
+            counters.load_missed_blocks += requested - hits
 
-        A failure here must not fail the query (its lease is already taken): it is logged.
-        """
+    def _after_query(
+        self,
+        purpose: QueryPurpose,
+        ns_index: int,
+        hashes: Sequence[bytes],
+        hits: list[BlockEntry],
+        account: bool,
+    ) -> None:
+        """Recency, frequency and metrics signals of a query, outside the engine lock (the policy has
+        its own). Hits are touched tail first, so the head of the prefix ends the most recent."""
+        if purpose == QueryPurpose.LOOKUP:
+            self._signal(self._lookup_signals, ns_index, hashes, len(hits) if account else None, hits)
+        else:
+            self._signal(self._refresh_signals, hits)
+
+    def _signal(self, fn: Callable, *args) -> None:
+        # A failure here must not fail the query (its lease is already taken): it is logged.
         try:
-            self.policy.record_lookups([(ns_index, h) for h in hashes])
-            for entry in reversed(hits):  # head of the prefix ends up most recent, as in seal_blocks
-                self.policy.on_access(entry.key)
-            self.observer.on_lookup(ns_index, tuple(hashes), len(hits))
+            fn(*args)
         except Exception:
-            log.exception("lookup signals (policy / metrics) failed; the query itself succeeded")
+            log.exception("query signals (policy / metrics) failed; the query itself succeeded")
+
+    def _lookup_signals(
+        self, ns_index: int, hashes: Sequence[bytes], num_hits: int | None, hits: Sequence[BlockEntry] = ()
+    ) -> None:
+        """A block request: ``hits`` are accessed; with ``num_hits`` (None: accounted later) every
+        hash feeds the frequency sketch, the hit-rate windows and the HLL ceiling."""
+        for entry in reversed(hits):
+            self.policy.on_access(entry.key)
+        if num_hits is not None:
+            self.policy.record_lookups([(ns_index, h) for h in hashes])
+            self.observer.on_lookup(ns_index, tuple(hashes), num_hits)
+
+    def _refresh_signals(self, hits: Sequence[BlockEntry]) -> None:
+        for entry in reversed(hits):
+            self.policy.on_refresh(entry.key)
+
+    def _seal_chain(self, save: Save, sealing: dict[bytes, BlockEntry]) -> int:
+        """Under the lock: seals ``sealing`` and restates the save's chain, tail first.
+
+        A save is an ordered chain (a prefix); its blocks are useless without the ones before them.
+        Walking it from the tail, each block is inserted (being sealed now) or refreshed (stored
+        already: the caller resent the part of the chain it loaded or found stored), so the chain
+        ends ordered head > ... > tail in the policy, and under pressure a prefix loses its tail
+        first. Blocks of the save still unwritten, and blocks not (or no longer) stored, are skipped.
+        Returns the bytes sealed.
+        """
+        policy, get, seal, pending = self.policy, self._index.get, self._index.seal, save.pending
+        ns_index = save.ns_index
+        sealed_bytes = 0
+        for block_hash in reversed(save.chain):
+            entry = sealing.pop(block_hash, None)
+            if entry is not None:
+                seal(entry)
+                policy.on_insert(entry.key, entry.length)
+                sealed_bytes += entry.length
+            elif block_hash not in pending:
+                entry = get((ns_index, block_hash))
+                if entry is not None and entry.state == SEALED:
+                    policy.on_refresh(entry.key)
+        return sealed_bytes
+
+    def _refresh_stored(self, ns_index: int, chain: Sequence[bytes]) -> None:
+        """Under the lock: refreshes the stored blocks of ``chain``, tail first."""
+        policy, get = self.policy, self._index.get
+        for block_hash in reversed(chain):
+            entry = get((ns_index, block_hash))
+            if entry is not None and entry.state == SEALED:
+                policy.on_refresh(entry.key)
 
     def _check_new_id(self, ident: str, in_use: bool, kind: str) -> None:
         if ident in self._tombstones:

@@ -42,7 +42,7 @@ class ServerProcess:
         """``launcher`` prefixes the command line (e.g. an ``unshare`` wrapper that mounts a pool dir)."""
         self.workdir = pathlib.Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.args = [*launcher, sys.executable, "-m", "pegaflow.server.main", "--pool-size", pool_size]
+        self.args = [*launcher, sys.executable, "-m", "pegaflow.server", "--pool-size", pool_size]
         self.args += ["--addr", addr]
         # The CLI always serves /metrics; "no HTTP wanted" still needs a free port, never the default one.
         self.args += ["--http-addr", http_addr or "127.0.0.1:0"]

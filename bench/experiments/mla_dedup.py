@@ -432,11 +432,12 @@ def run(setup: Setup, workdir: pathlib.Path, model_cache: pathlib.Path | None = 
 def hll_per_request_lookup(report: dict) -> dict:
     """The server's HyperLogLog ceiling re-based on one lookup per full prompt block.
 
-    The server counts every QueryPrefix block as a lookup: the scheduler's, and each worker's
-    leasing query of the blocks it loads (TP of them per hit under MLA), so its N is inflated
-    while its U (distinct blocks) is not. With one namespace (store-once) U_hll = N_server (1 -
-    r*_server) is the HLL's estimate of the trace's distinct blocks, and 1 - U_hll / N_trace is
-    the ceiling the server would show if it counted the scheduler's lookup only."""
+    A server that counts every QueryPrefix block as a lookup (the scheduler's and each worker's
+    leasing query of the blocks it loads: TP of them per hit under MLA, as when these results were
+    taken) inflates N but not U (distinct blocks). With one namespace (store-once) U_hll = N_server
+    (1 - r*_server) is the HLL's estimate of the trace's distinct blocks, and 1 - U_hll / N_trace the
+    ceiling over one lookup per block. A server that counts only the scheduler's lookup reports that
+    number itself (then both agree)."""
     once = report["arms"]["once"]
     n_trace = report["budget"]["trace_block_lookups"]
     u_hll = once.get("hll_distinct_estimate")

@@ -9,6 +9,9 @@ REGRESSION_MIN_GAP. Why it cannot flake: bench/experiments/mla_dedup.py (module 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -18,7 +21,13 @@ pytestmark = pytest.mark.timeout(2400)
 
 
 def test_store_once_beats_per_rank_on_hit_rate_at_one_budget(tmp_path):
-    rc = mla_dedup.main(["--regression", "--workdir", str(tmp_path / "work"), "--out", str(tmp_path)])
+    # vLLM's IPC sockets live under the work dir, and a Unix socket path has 107 bytes: pytest's
+    # tmp_path can be too deep, so the logs go to a short temp dir (Bazel's TEST_TMPDIR is short)
+    work = tempfile.mkdtemp(prefix="mla-", dir=os.environ.get("TEST_TMPDIR"))
+    try:
+        rc = mla_dedup.main(["--regression", "--workdir", work, "--out", str(tmp_path)])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     report = json.loads((tmp_path / "mla_dedup_regression.json").read_text())
     assert rc == 0, report["regression"]["problems"]
     once, per_rank = report["arms"]["once"], report["arms"]["per_rank"]

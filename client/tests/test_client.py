@@ -3,14 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import pathlib
 import random
+import subprocess
+import sys
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from pegaflow.client import AsyncPegaClient, KvLayout, PegaClient, errors, read_blocks, write_blocks
+from pegaflow.client import (
+    AsyncPegaClient,
+    KvLayout,
+    PegaClient,
+    QueryPurpose,
+    errors,
+    read_blocks,
+    write_blocks,
+)
 from pegaflow.client.backoff import Backoff
 from pegaflow.client.types import Allocation, AllocStatus, Location
 from pegaflow.server.config import MIB, ServerConfig
@@ -275,3 +287,63 @@ def test_async_calls_end_at_their_deadline_and_leak_nothing(inproc_server):
                 await asyncio.sleep(0.05)
 
     asyncio.run(scenario())
+
+
+def pool_mappings() -> int:
+    """How many mappings of a pegaflow pool this process has (the in-process server's own is one)."""
+    return sum("pegaflow-pool" in line for line in pathlib.Path("/proc/self/maps").read_text().splitlines())
+
+
+def test_the_pool_is_mapped_on_first_use_not_at_connect(inproc_server):
+    before = pool_mappings()
+    with PegaClient(inproc_server.address, timeout_s=10.0) as c:
+        inst = c.register_instance(LAYOUT)
+        c.query_prefix(inst, [b"lazy"])
+        # Connected (the pool fd arrived, its connection is the session's liveness), nothing mapped:
+        # a process that never copies, like vLLM's scheduler, never maps the pool.
+        assert pool_mappings() == before
+        assert roundtrip(c, inst, "lazy")
+        assert pool_mappings() == before + 1
+    assert pool_mappings() == before  # unmapped at close
+
+
+def test_an_unmapped_client_still_ends_its_session_when_it_goes_away(inproc_server):
+    with PegaClient(inproc_server.address, timeout_s=10.0) as watcher:
+        c = PegaClient(inproc_server.address, timeout_s=10.0)
+        c.connect()
+        inst = c.register_instance(LAYOUT)
+        c.allocate(inst, [b"unsealed"])
+        assert watcher.stats().writing_blocks == 1
+        before = inproc_server.engine.counters.disconnected_sessions
+        c._conn.pool.release()  # what a process exit does to its pool connection
+        wait_for(lambda: inproc_server.engine.counters.disconnected_sessions == before + 1)
+        assert watcher.stats().writing_blocks == 0
+        c.close()
+
+
+def test_importing_the_client_imports_no_server_code():
+    code = "import sys, pegaflow.client; print(json.dumps(sorted(m for m in sys.modules if 'server' in m)))"
+    out = subprocess.run(
+        [sys.executable, "-c", "import json; " + code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert [m for m in json.loads(out.stdout) if m.startswith("pegaflow")] == []
+
+
+def test_query_purpose_reaches_the_server(inproc_server):
+    async def scenario():
+        async with AsyncPegaClient(inproc_server.address, timeout_s=10.0) as c:
+            inst = await c.register_instance(LAYOUT)
+            await c.seal((await c.allocate(inst, [b"p1", b"p2"])).save_id)
+            assert (await c.query_prefix(inst, [b"p1", b"p2", b"p3"])).num_hits == 2
+            hit = await c.query_prefix(inst, [b"p1", b"p2"], lease=True, purpose=QueryPurpose.LOAD)
+            await c.release(hit.lease_id)
+            return await c.stats()
+
+    stats = asyncio.run(scenario())
+    assert (stats.hits, stats.misses, stats.lookup_queries, stats.load_queries) == (2, 1, 1, 1)
+    with PegaClient(inproc_server.address, timeout_s=10.0) as c:
+        inst = c.register_instance(LAYOUT)
+        c.query_prefix(inst, [b"p1", b"p2"], purpose=QueryPurpose.LOAD)
+        with pytest.raises(ValueError):
+            c.query_prefix(inst, [b"p1"], purpose=5)
+        assert c.stats().load_queries == 2

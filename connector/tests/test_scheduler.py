@@ -281,3 +281,24 @@ def test_external_tokens_without_a_lookup_are_reported_failed():
 def test_block_size_must_be_positive():
     with pytest.raises(ValueError):
         SchedulerConnector(block_size=0, lookup=None, loads=True, saves=True)
+
+
+def test_prompt_saves_carry_the_chain_before_them_and_output_blocks_do_not():
+    """(from the server follow-up engineer) The server keeps a saved chain's head ahead of its
+    tail for eviction only if the save names the head too: prompt saves send it along."""
+    req = request("q", 1000)
+    store = Store(req.block_hashes[:3])
+    conn = SchedulerConnector(block_size=BS, lookup=store, loads=True, saves=True)
+    admit(conn, req, range(20, 28))
+    conn.build_meta(step(new=[(req, range(20, 28), 384)], scheduled={"q": 616}))
+    m2 = conn.build_meta(step(cached=[("q", None, 1000)], scheduled={"q": 1}))
+    (save,) = m2.saves
+    assert save.block_ids == [23, 24, 25, 26]
+    assert save.head_block_ids == [20, 21, 22]
+    assert save.head_hashes == [bytes(h) for h in req.block_hashes[:3]]
+    req.num_computed_tokens = 1000
+    for _ in range(24):  # decode until block 7 (the first block with output tokens) fills
+        req.append_output_token_ids(5)
+    meta = conn.build_meta(step(cached=[("q", None, 1023)], scheduled={"q": 1}))
+    (save,) = meta.saves
+    assert save.block_ids == [27] and save.head_block_ids == [] and save.head_hashes == []

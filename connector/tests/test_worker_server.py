@@ -303,3 +303,35 @@ def test_each_layer_has_landed_when_its_wait_returns(server):
         assert b.stats["loaded_blocks"] == 8
     finally:
         a.shutdown(), b.shutdown()
+
+
+def test_the_worker_lease_counts_no_request_and_its_save_restates_the_loaded_head(server):
+    """(from the server follow-up engineer) The scheduler's lookup is the block request; the
+    worker's leasing query is a LOAD (counts no hit), and the save of the continuation carries
+    the loaded head along (EXISTS at the server: nothing copied)."""
+    from pegaflow.client import PegaClient
+
+    cfg = config(server.addr)
+    a = worker(cfg, layout(), kv_caches(seed=3), "a")
+    link, lookup = lookup_for(cfg, layout())
+    stats = PegaClient(server.addr, timeout_s=10.0, name="stats", map_pool=False)
+    try:
+        stats.connect()
+        attached(a, link)
+        head, tail = hashes("shared-head", 4), hashes("continuation", 2)
+        save_and_wait(a, "r1", [0, 1, 2, 3], head)
+        before = stats.stats()
+        assert lookup(head + tail) == 4  # the scheduler's request
+        _, failed = step(a, load_meta("r2", [10, 11, 12, 13], head))  # the worker's load
+        assert failed == set()
+        after = stats.stats()
+        assert (after.hits - before.hits, after.misses - before.misses) == (4, 2)
+        assert after.load_queries - before.load_queries == 1 and after.load_missed_blocks == 0
+        save = BlockTransfer("r2", [14, 15], tail, head_block_ids=[10, 11, 12, 13], head_hashes=head)
+        step(a, PegaConnectorMetadata(saves=[save]))
+        done, _ = step(a, PegaConnectorMetadata(delayed_free_req_ids=["r2"]))
+        wait_for(lambda: "r2" in done or "r2" in step(a, PegaConnectorMetadata())[0])
+        assert a.stats["saved_blocks"] == 4 + 2 and a.stats["save_blocks_deduplicated"] == 4
+        assert lookup(head + tail) == 6
+    finally:
+        a.shutdown(), link.close(), stats.close()

@@ -1,40 +1,39 @@
-"""A low-latency local path for SaveFromDevice / LoadToDevice: a Unix socket with a tiny binary frame.
+"""The server end of the doorbell, the GPU workers' low-latency local path for SaveFromDevice /
+LoadToDevice (a Unix socket with a tiny binary frame).
 
-Why: a Python gRPC round trip costs about a millisecond on the GPU host we
-measured (GetStats 0.7-1.3 ms), as much as 10% of a 576 MiB copy at the host
-link's 55 GB/s. A GPU worker is always on the server's host, so once its KV
-tensors are registered (over gRPC) it may ring this doorbell instead: one
-``sendall`` and one ``recv`` on a Unix socket, a few tens of microseconds. The
-semantics are exactly the RPCs' (the same GpuDataPath calls, the same checks,
-the same error kinds and deadlines); gRPC stays the contract and the fallback.
-
-Frames (little-endian). Request::
-
-    magic "PGD1" | op u8 (1 save, 2 load) | pad u8 | n u16 | timeout_ms u32
-    | session_id len u8 + bytes | registration_id len u8 + bytes
-    | block_ids n x u32 | hash lengths n x u8 | hashes concatenated
-
-Response::
-
-    magic "PGD1" | code u8 (0 ok, else ERROR_CODES) | pad u8 | n u16 | value u32
-    | message len u16 + utf-8 | statuses n x u8 (save only)
-
-``value`` is the blocks written (save) or loaded (load). One request at a
-time per connection; a client keeps one connection per thread.
+The frame format and the worker's end live with the client, in ``pegaflow.client.doorbell``
+(the client never imports server code); the module docstring there says why the doorbell
+exists. Requests are served with exactly the RPCs' semantics: the same GpuDataPath calls,
+checks, error kinds and deadlines.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import select
 import socket
-import struct
 import threading
 import time
 
-import numpy as np
-
+from pegaflow.client.doorbell import (
+    CODE_DEADLINE_EXCEEDED,
+    CODE_FAILED_PRECONDITION,
+    CODE_INTERNAL,
+    CODE_INVALID_ARGUMENT,
+    CODE_NOT_FOUND,
+    CODE_OK,
+    CODE_RESOURCE_EXHAUSTED,
+    CODE_UNAVAILABLE,
+    MAX_BLOCKS,
+    MAX_HASH_BYTES,
+    OP_SAVE,
+    FrameError,
+    decode_request,
+    encode_response,
+    recv_frame,
+    send_frame,
+)
+from pegaflow.server.engine import QueryPurpose
 from pegaflow.server.errors import (
     Closed,
     DeadlineExceeded,
@@ -47,137 +46,15 @@ from pegaflow.server.errors import (
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"PGD1"
-OP_SAVE, OP_LOAD = 1, 2
-_REQ_HEAD = struct.Struct("<4sBBHI")
-_RESP_HEAD = struct.Struct("<4sBBHIH")
-MAX_BLOCKS = 0xFFFF
-MAX_HASH_BYTES = 255
-
-# code <-> error kind, shared by both ends; the client maps them onto its own exception types.
+# The engine's error kinds on the wire (the client maps the codes back onto its own exceptions).
 ERROR_CODES: dict[type[EngineError], int] = {
-    InvalidArgument: 1,
-    NotFound: 2,
-    FailedPrecondition: 3,
-    DeadlineExceeded: 4,
-    Closed: 5,
-    ResourceExhausted: 6,
+    InvalidArgument: CODE_INVALID_ARGUMENT,
+    NotFound: CODE_NOT_FOUND,
+    FailedPrecondition: CODE_FAILED_PRECONDITION,
+    DeadlineExceeded: CODE_DEADLINE_EXCEEDED,
+    Closed: CODE_UNAVAILABLE,
+    ResourceExhausted: CODE_RESOURCE_EXHAUSTED,
 }
-INTERNAL = 7
-
-
-class FrameError(ValueError):
-    """A malformed frame: the connection is closed (the peer is not speaking this protocol)."""
-
-
-# ------------------------------------------------------------------ frames
-
-
-def encode_request(
-    op: int, session_id: str, registration_id: str, hashes, block_ids, timeout_s: float
-) -> bytes:
-    n = len(hashes)
-    if n != len(block_ids):
-        raise ValueError(f"{n} hashes but {len(block_ids)} block ids")
-    if n > MAX_BLOCKS:
-        raise ValueError(f"at most {MAX_BLOCKS} blocks per doorbell request, got {n}")
-    lengths = np.fromiter((len(h) for h in hashes), dtype=np.uint16, count=n)
-    if n and (lengths.max() > MAX_HASH_BYTES or lengths.min() == 0):
-        raise ValueError(f"every block hash must be 1..{MAX_HASH_BYTES} bytes")
-    sid, rid = session_id.encode(), registration_id.encode()
-    timeout_ms = max(1, min(int(timeout_s * 1000), 0xFFFFFFFF))
-    return b"".join(
-        (
-            _REQ_HEAD.pack(MAGIC, op, 0, n, timeout_ms),
-            bytes((len(sid),)),
-            sid,
-            bytes((len(rid),)),
-            rid,
-            np.asarray(block_ids, dtype=np.uint32).tobytes(),
-            lengths.astype(np.uint8).tobytes(),
-            b"".join(hashes),
-        )
-    )
-
-
-def decode_request(buf: bytes) -> tuple[int, str, str, list[bytes], list[int], float]:
-    """(op, session_id, registration_id, hashes, block_ids, timeout_s) of a complete request frame."""
-    if len(buf) < _REQ_HEAD.size:
-        raise FrameError("short request")
-    magic, op, _, n, timeout_ms = _REQ_HEAD.unpack_from(buf)
-    if magic != MAGIC or op not in (OP_SAVE, OP_LOAD):
-        raise FrameError("not a doorbell request")
-    pos = _REQ_HEAD.size
-    ids = []
-    for _ in range(2):
-        size = buf[pos]
-        ids.append(buf[pos + 1 : pos + 1 + size].decode())
-        pos += 1 + size
-    block_ids = np.frombuffer(buf, dtype=np.uint32, count=n, offset=pos).tolist()
-    pos += 4 * n
-    lengths = np.frombuffer(buf, dtype=np.uint8, count=n, offset=pos)
-    pos += n
-    ends = np.cumsum(lengths, dtype=np.int64) + pos
-    if n and ends[-1] != len(buf):
-        raise FrameError("request length does not match its hashes")
-    starts = ends - lengths
-    hashes = [buf[a:b] for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
-    return op, ids[0], ids[1], hashes, block_ids, timeout_ms / 1000.0
-
-
-def encode_response(code: int, value: int = 0, message: str = "", statuses=()) -> bytes:
-    text = message.encode()[:4000]
-    return b"".join(
-        (
-            _RESP_HEAD.pack(MAGIC, code, 0, len(statuses), value, len(text)),
-            text,
-            np.asarray(statuses, dtype=np.uint8).tobytes(),
-        )
-    )
-
-
-def decode_response(buf: bytes) -> tuple[int, int, str, list[int]]:
-    """(code, value, message, statuses) of a complete response frame."""
-    if len(buf) < _RESP_HEAD.size:
-        raise FrameError("short response")
-    magic, code, _, n, value, text_len = _RESP_HEAD.unpack_from(buf)
-    if magic != MAGIC:
-        raise FrameError("not a doorbell response")
-    pos = _RESP_HEAD.size
-    message = buf[pos : pos + text_len].decode(errors="replace")
-    statuses = list(buf[pos + text_len : pos + text_len + n])
-    return code, value, message, statuses
-
-
-def send_frame(sock: socket.socket, payload: bytes) -> None:
-    sock.sendall(struct.pack("<I", len(payload)) + payload)
-
-
-def recv_frame(sock: socket.socket, limit: int = 64 << 20) -> bytes | None:
-    """One length-prefixed frame, or None when the peer closed the connection between frames."""
-    head = _recv_exact(sock, 4, allow_eof=True)
-    if head is None:
-        return None
-    (size,) = struct.unpack("<I", head)
-    if size > limit:
-        raise FrameError(f"frame of {size} bytes exceeds {limit}")
-    return _recv_exact(sock, size)
-
-
-def _recv_exact(sock: socket.socket, size: int, allow_eof: bool = False) -> bytes | None:
-    chunks, got = [], 0
-    while got < size:
-        chunk = sock.recv(size - got)
-        if not chunk:
-            if allow_eof and got == 0:
-                return None
-            raise ConnectionError("doorbell peer closed the connection mid-frame")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
-
-
-# ------------------------------------------------------------------ server
 
 
 class DoorbellServer:
@@ -236,7 +113,7 @@ class DoorbellServer:
     def _handle(self, frame: bytes) -> bytes:
         start = time.monotonic()
         try:
-            op, session_id, reg_id, hashes, block_ids, timeout_s = decode_request(frame)
+            op, session_id, reg_id, hashes, block_ids, timeout_s, purpose = decode_request(frame)
         except FrameError:
             raise
         except Exception as exc:  # noqa: BLE001 - any decoding failure is a bad frame
@@ -251,15 +128,15 @@ class DoorbellServer:
             deadline = start + timeout_s
             if op == OP_SAVE:
                 out = self._gpu.save(session_id, reg_id, hashes, block_ids, deadline)
-                return encode_response(0, out.written, "", [int(s) for s in out.statuses])
-            out = self._gpu.load(session_id, reg_id, hashes, block_ids, deadline)
-            return encode_response(0, out.num_hits)
+                return encode_response(CODE_OK, out.written, "", [int(s) for s in out.statuses])
+            out = self._gpu.load(session_id, reg_id, hashes, block_ids, deadline, QueryPurpose(purpose))
+            return encode_response(CODE_OK, out.num_hits)
         except EngineError as exc:
-            code = next((c for cls, c in ERROR_CODES.items() if isinstance(exc, cls)), INTERNAL)
+            code = next((c for cls, c in ERROR_CODES.items() if isinstance(exc, cls)), CODE_INTERNAL)
             return encode_response(code, message=str(exc))
         except Exception as exc:
             log.exception("gpu doorbell: request failed")
-            return encode_response(INTERNAL, message=f"internal error: {type(exc).__name__}")
+            return encode_response(CODE_INTERNAL, message=f"internal error: {type(exc).__name__}")
 
     def close(self) -> None:
         with self._lock:
@@ -280,127 +157,3 @@ class DoorbellServer:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
-
-
-# ------------------------------------------------------------------ client
-
-
-class DoorbellClient:
-    """The worker's end: one connection per calling thread (saves and loads run side by side).
-
-    While a request is outstanding the caller polls its socket for up to
-    ``spin_s`` before sleeping in the kernel: on the VMs we measured, waking a
-    sleeping thread costs several hundred microseconds, a few percent of a
-    10 ms copy, and the caller is waiting for this answer anyway.
-    """
-
-    def __init__(self, path: str, spin_s: float = 0.05):
-        self.path = path
-        self.spin_s = spin_s
-        self._local = threading.local()
-        self._lock = threading.Lock()
-        self._all: set[socket.socket] = set()
-
-    def _conn(self) -> socket.socket:
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                conn.connect(self.path)
-            except OSError:
-                conn.close()
-                raise
-            self._local.conn = conn
-            with self._lock:
-                self._all.add(conn)
-        return conn
-
-    def _drop(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        self._local.conn = None
-        if conn is not None:
-            with self._lock:
-                self._all.discard(conn)
-            conn.close()
-
-    def call(
-        self, op: int, session_id: str, registration_id: str, hashes, block_ids, timeout_s: float
-    ) -> tuple[int, int, str, list[int]]:
-        """(code, value, message, statuses). Raises TimeoutError or OSError on transport failure."""
-        request = encode_request(op, session_id, registration_id, hashes, block_ids, timeout_s)
-        conn = self._conn()
-        conn.settimeout(timeout_s)
-        try:
-            send_frame(conn, request)
-            _await_readable(conn, min(self.spin_s, timeout_s), timeout_s)
-            frame = recv_frame(conn)
-            if frame is None:
-                raise ConnectionError("the server closed the doorbell connection")
-            return decode_response(frame)
-        except BaseException:
-            self._drop()  # the stream's state is unknown now
-            raise
-
-    def close(self) -> None:
-        """Closes every thread's connection."""
-        with self._lock:
-            conns, self._all = list(self._all), set()
-        for conn in conns:
-            conn.close()
-
-
-def _await_readable(conn: socket.socket, spin_s: float, timeout_s: float) -> None:
-    """Returns once ``conn`` has data: polls without sleeping for ``spin_s``, then sleeps in poll()."""
-    poller = select.poll()
-    poller.register(conn, select.POLLIN)
-    start = time.perf_counter()
-    while time.perf_counter() - start < spin_s:
-        if poller.poll(0):
-            return
-    left_ms = max(int((timeout_s - (time.perf_counter() - start)) * 1000), 0)
-    if not poller.poll(left_ms):
-        raise TimeoutError(f"no doorbell answer within {timeout_s:.3f} s")
-
-
-def ring(
-    client: DoorbellClient,
-    op: int,
-    session_id: str,
-    registration_id: str,
-    hashes,
-    block_ids,
-    timeout_s: float,
-) -> tuple[int, list[int]] | None:
-    """One request as the pegaflow client sees it: (value, statuses), or None if the socket is unusable.
-
-    Errors the server reports are raised as the client's exceptions, the same
-    ones the RPC would raise; None tells the caller to use the RPC instead
-    (the server restarted, or this process may not reach its socket).
-    """
-    from pegaflow.client import errors
-
-    try:
-        code, value, message, statuses = client.call(
-            op, session_id, registration_id, hashes, block_ids, timeout_s
-        )
-    except TimeoutError as exc:
-        raise errors.DeadlineExceeded(f"doorbell: no answer within {timeout_s:.3f} s") from exc
-    except (OSError, FrameError):
-        return None
-    except ValueError as exc:  # the request itself is malformed (counts, hash sizes)
-        raise errors.InvalidArgument(f"doorbell request: {exc}") from exc
-    if code == 0:
-        return value, statuses
-    what = "SaveFromDevice" if op == OP_SAVE else "LoadToDevice"
-    text = f"{what} (doorbell): {message}"
-    if code == ERROR_CODES[InvalidArgument]:
-        raise errors.InvalidArgument(text)
-    if code == ERROR_CODES[NotFound]:
-        raise errors.NotFound(text, "device registration")
-    if code == ERROR_CODES[DeadlineExceeded]:
-        raise errors.DeadlineExceeded(text)
-    if code == ERROR_CODES[Closed]:
-        raise errors.ServerUnavailable(text)
-    if code == ERROR_CODES[ResourceExhausted]:
-        raise errors.ResourceExhausted(text)
-    raise errors.ServerError(text)

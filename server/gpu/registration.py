@@ -2,23 +2,18 @@
 
 The worker side (the connector, the bench's emulated worker) builds a
 ``DeviceRegistration`` from its torch tensors with ``export_torch_kv``; the
-server opens it with ``ipc.IpcMappings``. Only this module's torch helpers
+client sends it (``pegaflow.client.device``); the server rebuilds it with
+``registration_from_proto`` and opens it with ``ipc.IpcMappings``. Only this module's torch helpers
 import torch, and only when called, so the server never needs torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Sequence
 
 from pegaflow.server.gpu.copy_plan import BlockLayout, Segment, segments_from_strides
 from pegaflow.server.gpu.ipc import CUDA_IPC_HANDLE_BYTES, cuda_ipc_handle_from_torch
-
-try:  # the stubs are generated at build time; the planner's CPU tests do not need them
-    from pegaflow.proto import pegaflow_pb2 as pb
-except ImportError:  # pragma: no cover - only a source tree without generated stubs
-    pb = None
 
 # Limits that keep a registration's planning arrays and RPC message small and sane.
 MAX_TENSORS = 4096
@@ -61,19 +56,7 @@ class DeviceRegistration:
 
 # ---------------------------------------------------------------- on the wire
 
-
-def registration_to_proto(reg: DeviceRegistration, instance_id: str):
-    """The RegisterDeviceMemoryRequest for ``reg`` (the client fills in the session)."""
-    return pb.RegisterDeviceMemoryRequest(
-        instance_id=instance_id,
-        device_uuid=reg.device_uuid,
-        tensors=[pb.DeviceTensor(ipc_handle=t.ipc_handle, offset=t.offset, size=t.size) for t in reg.tensors],
-        segments=[
-            pb.DeviceSegment(tensor=s.tensor, offset=s.offset, stride=s.stride, nbytes=s.nbytes)
-            for s in reg.segments
-        ],
-        num_blocks=reg.num_blocks,
-    )
+# (The client builds the request: pegaflow.client.device.registration_request.)
 
 
 def registration_from_proto(req) -> DeviceRegistration:
@@ -98,46 +81,6 @@ def registration_from_proto(req) -> DeviceRegistration:
         segments=tuple(Segment(s.tensor, s.offset, s.stride, s.nbytes) for s in req.segments),
         num_blocks=req.num_blocks,
     )
-
-
-class DeviceHandle:
-    """A client's registration of GPU memory; stays valid across reconnects (the client re-registers it)."""
-
-    def __init__(self, instance, registration: DeviceRegistration):
-        self.instance = instance  # the client's InstanceHandle the blocks belong to
-        self.registration = registration
-        self._lock = threading.Lock()
-        self._registration_id = ""
-        self.doorbell = None  # doorbell.DoorbellClient of the server's local fast path, when it offers one
-
-    @property
-    def registration_id(self) -> str:
-        """The server's id, or "" while not registered (server unreachable)."""
-        return self._registration_id
-
-    @property
-    def registered(self) -> bool:
-        return bool(self._registration_id)
-
-    def _set(self, registration_id: str, doorbell_path: str = "") -> None:
-        from pegaflow.server.gpu.doorbell import DoorbellClient
-
-        with self._lock:
-            self._registration_id = registration_id
-            old, self.doorbell = self.doorbell, DoorbellClient(doorbell_path) if doorbell_path else None
-        if old is not None:
-            old.close()
-
-    def __repr__(self) -> str:
-        return f"DeviceHandle({self._registration_id or '<unregistered>'}, {self.registration.device_uuid})"
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceSave:
-    """What SaveFromDevice did: per-hash statuses (AllocStatus numbers) and how many blocks it wrote."""
-
-    statuses: list[int]
-    written: int
 
 
 # ---------------------------------------------------------------- worker side

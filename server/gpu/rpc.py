@@ -63,5 +63,6 @@ def handle_load(gpu, req: pb.LoadToDeviceRequest, deadline: float, config: Serve
     reg_id = check.ident(req.registration_id, "registration_id")
     hashes = check.block_hashes(req.block_hashes, config)
     block_ids = _block_ids(req.block_ids, hashes)
-    out = _require(gpu).load(session_id, reg_id, hashes, block_ids, deadline)
+    purpose = check.purpose(req.purpose)
+    out = _require(gpu).load(session_id, reg_id, hashes, block_ids, deadline, purpose)
     return pb.LoadToDeviceResponse(num_hits=out.num_hits)

@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from pegaflow.server.engine import AllocStatus, KVEngine
+from pegaflow.server.engine import AllocStatus, KVEngine, QueryPurpose
 from pegaflow.server.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
 from pegaflow.server.gpu import cuda_runtime
 from pegaflow.server.gpu.copy_plan import DEFAULT_MAX_PIECE_BYTES, BlockLayout, LayoutError
@@ -266,8 +266,9 @@ class GpuDataPath:
         engine, copier = self._engine, self._copiers[reg.ordinal]
         tracker = _Countdown(timing_log.isEnabledFor(logging.DEBUG))
         statuses: list[AllocStatus] = []
+        chunks = _save_chunks(len(hashes))
         try:
-            for lo, hi in _save_chunks(len(hashes)):
+            for lo, hi in chunks:
                 alloc = engine.allocate_blocks(self._session, reg.instance_id, hashes[lo:hi], deadline)
                 statuses += alloc.statuses
                 if not alloc.save_id:
@@ -310,6 +311,10 @@ class GpuDataPath:
             tracker.mark("woken")
             timing_log.debug("save %d blocks: %s", len(hashes), tracker.report(t0))
         _raise_copy_error(tracker.error)
+        if len(chunks) > 1:
+            # Each chunk's seal left that chunk head-first, but a later chunk (the chain's tail)
+            # after an earlier one: restate the whole chain, off the caller's critical path.
+            self._housekeeping.submit(self._refresh, reg.instance_id, hashes)
         return SaveOutcome(statuses, tracker.written, tracker.mode or "none")
 
     def _finish_save(self, alloc, deadline: float, tracker: _Countdown, fut) -> None:
@@ -330,7 +335,13 @@ class GpuDataPath:
             tracker.done(error=exc)
 
     def load(
-        self, session_id: str, reg_id: str, hashes: Sequence[bytes], block_ids: Sequence[int], deadline: float
+        self,
+        session_id: str,
+        reg_id: str,
+        hashes: Sequence[bytes],
+        block_ids: Sequence[int],
+        deadline: float,
+        purpose: QueryPurpose = QueryPurpose.LOOKUP,
     ) -> LoadOutcome:
         """Copies the leading stored blocks of ``hashes`` into GPU blocks ``block_ids``, then returns.
 
@@ -338,7 +349,9 @@ class GpuDataPath:
         its copy started while the rest is looked up; the lookup stops at the
         first miss. Each chunk's lease is released off the critical path once
         its copy has landed. A chunk that cannot land before the deadline is
-        not started (the caller recomputes after its deadline).
+        not started (the caller recomputes after its deadline). ``purpose`` is
+        the query's (QueryPurpose): the chunks are accounted as one query of
+        ``hashes``, after the copies, off the critical path.
         """
         t0 = time.perf_counter()
         reg = self._get(session_id, reg_id)
@@ -346,12 +359,19 @@ class GpuDataPath:
         engine, copier = self._engine, self._copiers[reg.ordinal]
         bb = reg.layout.block_bytes
         tracker = _Countdown(timing_log.isEnabledFor(logging.DEBUG))
-        hits = 0
+        hits = chunks = 0
         try:
             for lo, hi in _save_chunks(len(hashes)):
                 hit = engine.query_prefix(
-                    self._session, reg.instance_id, hashes[lo:hi], lease=True, deadline=deadline
+                    self._session,
+                    reg.instance_id,
+                    hashes[lo:hi],
+                    lease=True,
+                    deadline=deadline,
+                    purpose=purpose,
+                    account=False,
                 )
+                chunks += 1
                 tracker.mark("queried")
                 n = hit.num_hits
                 if not n:
@@ -387,6 +407,7 @@ class GpuDataPath:
                 tracker.mark("launched")
         finally:
             tracker.close()
+        self._housekeeping.submit(self._account_load, reg.instance_id, hashes, hits, purpose, chunks)
         if not tracker.wait(deadline):
             raise DeadlineExceeded("the copy did not finish before the deadline")
         if tracker.marks is not None:
@@ -394,6 +415,24 @@ class GpuDataPath:
             timing_log.debug("load %d blocks: %s", len(hashes), tracker.report(t0))
         _raise_copy_error(tracker.error)
         return LoadOutcome(hits, tracker.mode or "none")
+
+    def _account_load(
+        self, instance_id: str, hashes: Sequence[bytes], hits: int, purpose: QueryPurpose, chunks: int
+    ) -> None:
+        """The chunks' queries as one (hits and misses of the whole request, if it is a LOOKUP); after
+        several chunks, the hits restated so that the head of the prefix ends the most recent."""
+        try:
+            self._engine.account_query(self._session, instance_id, hashes, hits, purpose)
+            if chunks > 1 and hits:
+                self._engine.refresh_chain(self._session, instance_id, hashes[:hits])
+        except Exception:
+            log.exception("gpu: accounting a load of %d blocks failed", len(hashes))
+
+    def _refresh(self, instance_id: str, hashes: Sequence[bytes]) -> None:
+        try:
+            self._engine.refresh_chain(self._session, instance_id, hashes)
+        except Exception:
+            log.exception("gpu: restating a saved chain of %d blocks failed", len(hashes))
 
     def _finish_load(self, lease_id: str, nbytes: int, tracker: _Countdown, fut) -> None:
         """On a copier thread: report the chunk, then hand the lease release to the housekeeping thread."""

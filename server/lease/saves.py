@@ -15,12 +15,34 @@ from pegaflow.server.index.block_index import BlockEntry
 
 
 class Save:
-    __slots__ = ("id", "session_id", "instance_id", "pending", "created_at", "expires_at", "sealed_bytes")
+    __slots__ = (
+        "id",
+        "session_id",
+        "instance_id",
+        "ns_index",
+        "chain",
+        "pending",
+        "created_at",
+        "expires_at",
+        "sealed_bytes",
+    )
 
-    def __init__(self, session_id: str, instance_id: str, now: float, timeout_s: float, ident: str = ""):
+    def __init__(
+        self,
+        session_id: str,
+        instance_id: str,
+        ns_index: int,
+        chain: tuple[bytes, ...],
+        now: float,
+        timeout_s: float,
+        ident: str = "",
+    ):
         self.id = ident or "w-" + secrets.token_hex(12)
         self.session_id = session_id
         self.instance_id = instance_id
+        self.ns_index = ns_index
+        # Every hash the save was asked for, in order (granted or not): the chain it restates at seal.
+        self.chain = chain
         self.pending: dict[bytes, BlockEntry] = {}  # block hash -> granted, unsealed block
         self.created_at = now
         self.expires_at = now + timeout_s

@@ -211,16 +211,30 @@ class _EngineCollector:
         yield gauge("pegaflow_writing_blocks", "Blocks granted and not yet sealed", stats.writing_blocks)
 
         hits = CounterMetricFamily(
-            "pegaflow_block_hits", "Looked-up blocks found (leading prefix hits)", labels=["tier"]
+            "pegaflow_block_hits",
+            "Requested blocks found (leading prefix hits of LOOKUP queries)",
+            labels=["tier"],
         )
         hits.add_metric(["dram"], stats.hits)
         yield hits
         misses = CounterMetricFamily(
-            "pegaflow_block_misses", "Looked-up blocks not found (after the prefix)", labels=["tier"]
+            "pegaflow_block_misses",
+            "Requested blocks not found (after the prefix, LOOKUP queries)",
+            labels=["tier"],
         )
         misses.add_metric(["dram"], stats.misses)
         yield misses
-        yield counter("pegaflow_queries", "QueryPrefix calls", counters.queries)
+        yield counter("pegaflow_queries", "Prefix queries that request blocks (LOOKUP)", counters.queries)
+        yield counter(
+            "pegaflow_load_queries",
+            "Prefix queries that load blocks an earlier lookup counted (LOAD)",
+            counters.load_queries,
+        )
+        yield counter(
+            "pegaflow_load_missed_blocks",
+            "Blocks LOAD queries asked for and did not find (gone since their lookup)",
+            counters.load_missed_blocks,
+        )
         yield counter("pegaflow_evictions", "Blocks evicted to make room", stats.evictions)
         yield counter(
             "pegaflow_admission_rejections",

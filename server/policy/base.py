@@ -43,6 +43,13 @@ class EvictionPolicy(abc.ABC):
     def on_access(self, key: Hashable) -> None:
         """A resident key was hit. Unknown keys are ignored (the hit may race with a removal)."""
 
+    def on_refresh(self, key: Hashable) -> None:
+        """A resident key's recency is renewed without it counting as a hit: a save restating the
+        chain the key belongs to, or the load of a block whose lookup already counted. Unknown keys
+        are ignored. The default treats it as an access; policies where a hit means more than
+        recency (W-TinyLFU's promotion) override it."""
+        self.on_access(key)
+
     @abc.abstractmethod
     def on_remove(self, key: Hashable) -> None:
         """``key`` left the cache (evicted or deleted by the engine). Unknown keys are ignored."""

@@ -200,6 +200,13 @@ class WTinyLFUPolicy(EvictionPolicy):
             else:
                 region.touch(key)
 
+    def on_refresh(self, key: Hashable) -> None:
+        # Recency within the key's own region only: no promotion, since no new use happened.
+        with self._lock:
+            region = self._region.get(key)
+            if region is not None:
+                region.touch(key)
+
     def on_remove(self, key: Hashable) -> None:
         with self._lock:
             region = self._region.pop(key, None)

@@ -184,6 +184,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             lease_ttl_s=ttl,
             deadline=deadline,
             lease_id=check.optional_ident(request.lease_id, "lease_id"),
+            purpose=check.purpose(request.purpose),
         )
         if result.lease_id and self._caller_gone(context, deadline):
             self._engine.release_lease(session_id, result.lease_id)
@@ -318,6 +319,9 @@ class EngineServicer(pb_grpc.EngineServicer):
             total_slabs=stats.total_slabs,
             stranded_bytes=stats.stranded_bytes,
             slab_moves=stats.slab_moves,
+            lookup_queries=self._engine.counters.queries,
+            load_queries=self._engine.counters.load_queries,
+            load_missed_blocks=self._engine.counters.load_missed_blocks,
         )
         if self._metrics is not None:
             measured, ceiling = self._metrics.window_rates()

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pegaflow.server.config import ServerConfig
+from pegaflow.server.engine import QueryPurpose
 from pegaflow.server.errors import InvalidArgument
 
 MAX_ID_CHARS = 64
@@ -60,3 +61,10 @@ def lease_ttl_s(ttl_ms: int, config: ServerConfig) -> float | None:
             f"lease_ttl_ms {ttl_ms} exceeds the maximum of {int(config.max_lease_ttl_s * 1000)}"
         )
     return ttl_ms / 1000.0
+
+
+def purpose(value: int) -> QueryPurpose:
+    try:
+        return QueryPurpose(value)
+    except ValueError:
+        raise InvalidArgument(f"unknown query purpose {value}") from None

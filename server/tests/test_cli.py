@@ -14,8 +14,12 @@ from pegaflow.server.pool.region import check_capacity, read_meminfo
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``python -m pegaflow.server ARGS``, on free ports unless ARGS name others (the last flag wins):
+    a server that starts by mistake must not take the default ports."""
+    if "--help" not in args:
+        args = ("--addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0", *args)
     return subprocess.run(
-        [sys.executable, "-m", "pegaflow.server.main", *args],
+        [sys.executable, "-m", "pegaflow.server", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -52,6 +56,12 @@ def test_windows_and_durations():
     for bad in ("15", "1h,1h", "1x", "", "1h,,2h", "0m"):
         with pytest.raises(ValueError):
             parse_windows(bad)
+
+
+def test_python_dash_m_runs_the_cli():
+    proc = run_cli("--help")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: pegaflow-server") and "--pool-size" in proc.stdout
 
 
 def test_help_documents_every_flag_and_no_tier_flags_exist():

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pegaflow.client import KvLayout, PegaClient, errors, read_blocks, write_blocks
+from pegaflow.client import KvLayout, PegaClient, QueryPurpose, errors, read_blocks, write_blocks
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
 from pegaflow.server.testing import ServerProcess, free_port
@@ -222,6 +222,9 @@ def test_client_killed_holding_a_lease_unpins_its_blocks(server, client):
     hs = hexes(10, "leasekill")
     run_worker(server.addr, "save", hs, "leasekill")
     base_pinned = client.stats().pinned_blocks
+    disconnected = 'pegaflow_sessions_ended_total{cause="disconnected"}'
+    disconnects_before = metric(server, disconnected)
+    # The worker leases and never reads: it never maps the pool, yet holds its pool connection.
     proc, out = spawn_worker(server.addr, "lease-hang", hs, "leasekill")
     try:
         assert out["hits"] == 10
@@ -229,6 +232,7 @@ def test_client_killed_holding_a_lease_unpins_its_blocks(server, client):
     finally:
         kill_group(proc)
     wait_for(lambda: client.stats().pinned_blocks == base_pinned)
+    assert metric(server, disconnected) == disconnects_before + 1  # at once, not after the session TTL
     with pytest.raises(errors.NotFound) as info:
         client.release(out["lease_id"])
     assert info.value.kind == "lease"
@@ -342,6 +346,14 @@ def test_bad_inputs_get_invalid_argument_or_not_found_and_the_server_stays_up(se
                 lambda: stub.QueryPrefix(
                     q(session_id=sid, instance_id=iid, block_hashes=[b"a"], lease=True, lease_ttl_ms=10**9),
                     timeout=t,
+                )
+            )
+            == bad
+        )
+        assert (
+            code_of(
+                lambda: stub.QueryPrefix(
+                    q(session_id=sid, instance_id=iid, block_hashes=[b"a"], purpose=7), timeout=t
                 )
             )
             == bad
@@ -492,10 +504,25 @@ def test_garbage_bytes_on_the_grpc_port_and_the_fd_socket_do_not_hurt(server, cl
     assert server.alive()
 
 
+def thread_states(pid: int) -> str:
+    """One letter per thread of ``pid`` (R running, S sleeping, T stopped, ...), from /proc."""
+    states = []
+    for stat in pathlib.Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # the thread exited meanwhile
+            continue
+        states.append(text[text.rindex(")") + 2])
+    return "".join(states)
+
+
 def test_deadlines_are_honoured_and_do_not_break_the_client(server, client):
     inst = client.register_instance(KvLayout(**LAYOUT))
     os.kill(server.proc.pid, signal.SIGSTOP)  # a server that answers nothing at all
     try:
+        # kill() returns before the stop lands: a call sent at once can still be served by a thread
+        # that is running at that moment. Only once every thread is stopped does nothing answer.
+        wait_for(lambda: set(thread_states(server.proc.pid)) == {"T"}, timeout_s=30, interval_s=0.001)
         for call in (
             lambda: client.query_prefix(inst, [b"a"], lease=True, timeout_s=0.3),
             lambda: client.allocate(inst, [b"stopped"], timeout_s=0.3),
@@ -509,6 +536,32 @@ def test_deadlines_are_honoured_and_do_not_break_the_client(server, client):
     assert client.query_prefix(inst, [b"a"]).num_hits == 0
     # The server dropped what it granted to callers that had gone (or never served them).
     wait_for(lambda: (s := client.stats()).writing_blocks == 0 and s.live_leases == 0)
+
+
+def test_a_lookup_then_leasing_loads_count_each_requested_block_once(tmp_path):
+    """vLLM's scheduler looks a prompt up once; each worker rank then leases what it found (LOAD).
+    Hits, misses, the measured hit rate and the HLL ceiling count the lookup only."""
+    with ServerProcess(tmp_path, pool_size="64mb") as srv, PegaClient(srv.addr, timeout_s=10.0) as c:
+        inst = c.register_instance(KvLayout(**LAYOUT))
+        stored = [f"count-{i}".encode() for i in range(50)]
+        c.seal(c.allocate(inst, stored).save_id)
+        prompt = stored + [f"new-{i}".encode() for i in range(10)]
+        found = c.query_prefix(inst, prompt).num_hits  # the scheduler's lookup (LOOKUP is the default)
+        assert found == 50
+        for _rank in range(2):
+            hit = c.query_prefix(inst, prompt[:found], lease=True, purpose=QueryPurpose.LOAD)
+            assert hit.num_hits == 50
+            c.release(hit.lease_id, loaded_bytes=50 * BLOCK)
+        stats = c.stats()
+        assert (stats.hits, stats.misses) == (50, 10)
+        assert (stats.lookup_queries, stats.load_queries, stats.load_missed_blocks) == (1, 2, 0)
+        for window in ("15m", "1h", "24h"):
+            assert stats.measured_hit_rate[window] == pytest.approx(50 / 60)
+            # 60 distinct blocks requested once each: nothing could have been a hit. Counting the
+            # loads as requests too would give 100 / 160 = 0.625.
+            assert stats.hll_ceiling[window] == pytest.approx(0.0, abs=0.02)
+        assert metric(srv, 'pegaflow_block_hits_total{tier="dram"}') == 50
+        assert metric(srv, "pegaflow_load_queries_total") == 2
 
 
 def test_grpc_health_and_metrics_endpoints(server, client):

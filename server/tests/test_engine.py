@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pegaflow.server.config import MIB, ServerConfig
-from pegaflow.server.engine import AllocStatus, KVEngine
+from pegaflow.server.engine import AllocStatus, KVEngine, QueryPurpose
 from pegaflow.server.errors import DeadlineExceeded, InvalidArgument, NotFound
 from pegaflow.server.index.namespace import KvLayout
 
@@ -341,3 +341,107 @@ def test_one_session_cannot_pile_up_instances_or_leases_without_bound():
         assert eng.stats().pinned_blocks == 1
     finally:
         eng.close()
+
+
+# ------------------------------------------------------------ requests vs loads
+
+
+def test_a_lookup_then_loads_by_every_rank_count_each_block_once():
+    eng = KVEngine(
+        ServerConfig(pool_size_bytes=32 * MIB, http_addr=None, slab_bytes=4 * MIB, enable_lfu_admission=True)
+    )
+    try:
+        sid = eng.open_session("t").session_id
+        iid = eng.register_instance(sid, layout()).instance_id
+        ns = eng._instances[iid].namespace.index
+        stored = hashes(6)
+        save(eng, sid, iid, stored)
+        # The scheduler asks once for the whole prompt; then two worker ranks lease what it found.
+        assert eng.query_prefix(sid, iid, stored + [b"absent"]).num_hits == 6
+        for _ in range(2):
+            hit = eng.query_prefix(sid, iid, stored, lease=True, purpose=QueryPurpose.LOAD)
+            assert hit.num_hits == 6
+            eng.release_lease(sid, hit.lease_id)
+        stats = eng.stats()
+        assert (stats.hits, stats.misses) == (6, 1)
+        assert (eng.counters.queries, eng.counters.load_queries, eng.counters.load_missed_blocks) == (1, 2, 0)
+        assert [eng.policy.frequency((ns, h)) for h in stored] == [1] * 6  # the lookup alone
+        # A block gone between the lookup and the load is a load miss, not a request miss.
+        assert eng.query_prefix(sid, iid, stored + [b"absent"], purpose=QueryPurpose.LOAD).num_hits == 6
+        assert eng.counters.load_missed_blocks == 1 and eng.stats().misses == 1
+        eng.query_prefix(sid, iid, stored)  # a second request is a second use
+        assert [eng.policy.frequency((ns, h)) for h in stored] == [2] * 6
+    finally:
+        eng.close()
+
+
+def test_a_chain_queried_in_parts_is_accounted_as_one_query(engine):
+    sid = engine.open_session("t").session_id
+    iid = engine.register_instance(sid, layout()).instance_id
+    save(engine, sid, iid, hashes(5))
+    chain = hashes(8)
+    for lo, hi in ((0, 2), (2, 8)):  # as the GPU data path queries in chunks
+        engine.query_prefix(sid, iid, chain[lo:hi], account=False)
+    assert engine.stats().hits == 0 and engine.counters.queries == 0
+    engine.account_query(sid, iid, chain, 5, QueryPurpose.LOOKUP)
+    stats = engine.stats()
+    assert (stats.hits, stats.misses, engine.counters.queries) == (5, 3, 1)
+    with pytest.raises(InvalidArgument):
+        engine.account_query(sid, iid, chain, 9, QueryPurpose.LOOKUP)
+
+
+# ------------------------------------------------------------ chain-aware recency
+
+
+def capacity_of(eng: KVEngine) -> int:
+    return eng.allocator.total_slabs * (eng.allocator.slab_bytes // BLOCK)
+
+
+@pytest.mark.parametrize("resend_head", [True, False])
+def test_a_full_pool_evicts_a_continuation_before_the_shared_head_it_extends(engine, resend_head):
+    sid = engine.open_session("t").session_id
+    iid = engine.register_instance(sid, layout()).instance_id
+    capacity = capacity_of(engine)
+    head, continuation = hashes(8, "system-prompt"), hashes(8, "turn")
+    save(engine, sid, iid, head)  # an earlier request stored the shared head
+    save(engine, sid, iid, hashes(capacity - 8, "filler"))  # the pool is full
+    # A request finds the head (lookup, then its worker leases and loads it) ...
+    assert engine.query_prefix(sid, iid, head + continuation).num_hits == 8
+    hit = engine.query_prefix(sid, iid, head, lease=True, purpose=QueryPurpose.LOAD)
+    engine.release_lease(sid, hit.lease_id)
+    # ... computes its continuation and saves it: with the loaded head (EXISTS), or without.
+    statuses = save(engine, sid, iid, (head if resend_head else []) + continuation)
+    assert statuses == [AllocStatus.EXISTS] * (8 if resend_head else 0) + [AllocStatus.GRANTED] * 8
+    # Pressure: every filler goes, then 4 blocks of the chain.
+    save(engine, sid, iid, hashes(capacity - 16 + 4, "pressure"))
+    stored = engine.query_prefix(sid, iid, head + continuation).num_hits
+    if resend_head:
+        assert stored == 12  # the continuation lost its tail; the head it depends on is intact
+    else:
+        assert stored == 4  # the head, touched before its continuation was inserted, went first
+
+
+def test_a_save_with_nothing_to_write_still_restates_its_chain(engine):
+    sid = engine.open_session("t").session_id
+    iid = engine.register_instance(sid, layout()).instance_id
+    capacity = capacity_of(engine)
+    chain = hashes(8, "chain")
+    save(engine, sid, iid, chain)
+    save(engine, sid, iid, hashes(capacity - 8, "filler"))  # the chain is now the coldest
+    res = engine.allocate_blocks(sid, iid, chain)  # e.g. a request that found all of it stored
+    assert res.statuses == [AllocStatus.EXISTS] * 8 and res.save_id == ""
+    save(engine, sid, iid, hashes(8, "pressure"))
+    assert engine.query_prefix(sid, iid, chain).num_hits == 8  # fillers went instead
+
+
+def test_a_chain_saved_in_parts_is_restated_head_first(engine):
+    sid = engine.open_session("t").session_id
+    iid = engine.register_instance(sid, layout()).instance_id
+    capacity = capacity_of(engine)
+    chain = hashes(12, "chain")
+    save(engine, sid, iid, hashes(capacity - 12, "filler"))
+    save(engine, sid, iid, chain[:4])  # as the GPU data path saves in chunks, head first ...
+    save(engine, sid, iid, chain[4:])  # ... leaving the tail more recent than the head
+    engine.refresh_chain(sid, iid, chain)
+    save(engine, sid, iid, hashes(capacity - 12 + 3, "pressure"))
+    assert engine.query_prefix(sid, iid, chain).num_hits == 9

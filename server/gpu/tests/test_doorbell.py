@@ -18,12 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pegaflow.client import errors
-from pegaflow.server.errors import DeadlineExceeded, InvalidArgument, NotFound
-from pegaflow.server.gpu.doorbell import (
+from pegaflow.client.doorbell import (
     OP_LOAD,
     OP_SAVE,
     DoorbellClient,
-    DoorbellServer,
     FrameError,
     decode_request,
     decode_response,
@@ -33,6 +31,9 @@ from pegaflow.server.gpu.doorbell import (
     ring,
     send_frame,
 )
+from pegaflow.server.engine import QueryPurpose
+from pegaflow.server.errors import DeadlineExceeded, InvalidArgument, NotFound
+from pegaflow.server.gpu.doorbell import DoorbellServer
 
 
 @given(
@@ -40,14 +41,16 @@ from pegaflow.server.gpu.doorbell import (
     hashes=st.lists(st.binary(min_size=1, max_size=64), max_size=300),
     sid=st.text(max_size=40),
     timeout=st.floats(0.001, 1000),
+    purpose=st.sampled_from([0, 1]),
     data=st.data(),
 )
 @settings(max_examples=200, deadline=None)
-def test_request_frames_round_trip(op, hashes, sid, timeout, data):
+def test_request_frames_round_trip(op, hashes, sid, timeout, purpose, data):
     ids = data.draw(st.lists(st.integers(0, 2**32 - 1), min_size=len(hashes), max_size=len(hashes)))
-    got = decode_request(encode_request(op, sid, "g-1", hashes, ids, timeout))
+    got = decode_request(encode_request(op, sid, "g-1", hashes, ids, timeout, purpose))
     assert got[:5] == (op, sid, "g-1", hashes, ids)
     assert abs(got[5] - max(0.001, int(timeout * 1000) / 1000)) < 1e-9
+    assert got[6] == purpose
 
 
 @given(
@@ -101,8 +104,8 @@ class _Handler:
             raise DeadlineExceeded("too slow")
         return _Saved([1] * len(hashes), len(hashes))
 
-    def load(self, session_id, reg_id, hashes, block_ids, deadline):
-        self.calls.append(("load", session_id, reg_id, hashes, block_ids))
+    def load(self, session_id, reg_id, hashes, block_ids, deadline, purpose):
+        self.calls.append(("load", session_id, reg_id, hashes, block_ids, purpose))
         if max(block_ids) > 100:
             raise InvalidArgument("GPU block id outside")
         return _Loaded(len(hashes) - 1)
@@ -127,6 +130,10 @@ def test_requests_reach_the_handler_and_answers_come_back(doorbell):
     op, sid, rid, hashes, ids, remaining = handler.calls[0]
     assert (op, sid, rid, hashes, ids) == ("save", "s", "g-ok", [b"a", b"b"], [3, 4])
     assert 1.0 < remaining <= 2.0  # the caller's timeout became the server's deadline
+    # a load's query purpose travels in the frame's flags (LOOKUP unless the caller says LOAD)
+    assert handler.calls[1] == ("load", "s", "g-ok", [b"a", b"b"], [5, 6], QueryPurpose.LOOKUP)
+    assert ring(client, OP_LOAD, "s", "g-ok", [b"c"], [7], 2.0, purpose=1) == (0, [])
+    assert handler.calls[2][-1] is QueryPurpose.LOAD
 
 
 def test_errors_come_back_as_the_clients_exception_kinds(doorbell):

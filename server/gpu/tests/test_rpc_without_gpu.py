@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from pegaflow.client import KvLayout, PegaClient, errors
+from pegaflow.client import KvLayout, PegaClient, QueryPurpose, errors
+from pegaflow.client.device import DeviceHandle
 from pegaflow.server.config import ServerConfig
 from pegaflow.server.gpu.copy_plan import Segment
-from pegaflow.server.gpu.registration import DeviceHandle, DeviceRegistration, ExportedTensor
+from pegaflow.server.gpu.registration import DeviceRegistration, ExportedTensor
 from pegaflow.server.runtime import start_server
 
 REG = DeviceRegistration(
@@ -57,6 +58,8 @@ def test_saves_and_loads_on_an_unknown_registration_are_refused(client):
         c.save_from_device(handle, [b"a", b"b"], [1, 2])
     with pytest.raises(errors.ServerError, match="no GPU data path"):
         c.load_to_device(handle, [b"a"], [1])
+    with pytest.raises(errors.ServerError, match="no GPU data path"):
+        c.load_to_device(handle, [b"a"], [1], purpose=QueryPurpose.LOAD)
     with pytest.raises(errors.InvalidArgument):
         c.save_from_device(handle, [b"a", b"b"], [1])  # counts differ
     unregistered = DeviceHandle(inst, REG)

@@ -249,3 +249,16 @@ def test_concurrent_use_keeps_bookkeeping_consistent():
     assert not errors
     p.check_invariants()
     assert {k for k in resident} == {k for r in (p._window, p._probation, p._protected) for k in r}
+
+
+def test_a_refresh_renews_recency_within_the_region_without_promoting():
+    p = policy(100, window_fraction=0.05, adaptive_window=False)
+    for k in "abcdef":
+        p.on_insert(k, 10)
+    assert p.region_of("a") == "probation"
+    p.on_refresh("a")
+    assert p.region_of("a") == "probation"  # a hit would have promoted it
+    # ... but it is now the most recent of probation: the next main victim is "b", not "a"
+    assert p._probation.coldest() == "b"
+    p.on_refresh("not-resident")  # ignored
+    p.check_invariants()
