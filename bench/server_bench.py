@@ -5,7 +5,8 @@
 
 1. Throughput. A real server process; this process is the client. Save = AllocateBlocks
    -> numpy copies from a source array into the mapped pool -> SealBlocks; load =
-   QueryPrefix(lease) -> copies out of the pool -> ReleaseLease. RPCs are included in the
+   QueryPrefix(lease) -> copies out of the pool -> ReleaseLease sent without waiting for its
+   answer (as the connector releases, off the critical path). RPCs are included in the
    time. Compared with a plain numpy memcpy of the same bytes between two ordinary
    (pre-faulted) arrays, measured in the same run, interleaved with the pool rounds.
 2. Query latency. QueryPrefix over 128 block hashes (64 hits, then misses), closed loop,
@@ -15,15 +16,22 @@
 
 Targets (issue 3): save and load >= 80% of memcpy; query p99 under load <= 2x idle p99.
 
-The throughput part runs on the default anonymous memfd (4 KiB pages). --huge-tmpfs adds a run
-with the pool on a tmpfs mounted huge=always (--pool-dir, 2 MiB THP; the mount lives only in the
-server's private mount namespace; root), --use-hugepages a run on hugetlb pages (must be
-reserved). Every client pre-touches its pool mapping (see throughput()).
+The throughput part runs on the default anonymous memfd (4 KiB pages). --use-hugepages adds a run
+on hugetlb pages (pegaflow-server --use-hugepages): as root the bench reserves the pages for that
+run (/proc/sys/vm/nr_hugepages) and restores the previous value afterwards, also on failure.
+--huge-tmpfs adds a run with the pool on a tmpfs mounted huge=always (--pool-dir, 2 MiB THP; the
+mount lives only in the server's private mount namespace; root). Every client pre-touches its pool
+mapping (see throughput()).
+
+The machine's 1-minute load average is sampled through the run and recorded per part; with
+--wait-quiet SECONDS the bench first waits (up to SECONDS) for a quiet minute (load < 2), because
+other jobs on a small machine move these numbers by 2x.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -39,6 +47,8 @@ import urllib.request
 import numpy as np
 
 from pegaflow.client import KvLayout, PegaClient, read_blocks, write_blocks
+from pegaflow.server.config import parse_size
+from pegaflow.server.pool.region import read_meminfo
 from pegaflow.server.testing import ServerProcess
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -138,9 +148,10 @@ def throughput(addr: str, block_bytes: int, batch_blocks: int, rounds: int, infl
                 hit = c.query_prefix(inst, last[k], lease=True)
                 t1 = time.perf_counter()
                 read_blocks(c.pool_view(hit.epoch), hit.locations, out[k])
-                t2 = time.perf_counter()
-                c.release(hit.lease_id, loaded_bytes=out[k].nbytes)
-                rpc_s.append((t1 - t0) + (time.perf_counter() - t2))
+                # As the connector does: the load is done once the bytes are out; the release goes
+                # off the critical path.
+                c.release(hit.lease_id, loaded_bytes=out[k].nbytes, wait=False)
+                rpc_s.append(t1 - t0)
                 if hit.num_hits != batch_blocks:
                     raise RuntimeError("benchmark batch was not fully resident")
 
@@ -352,7 +363,15 @@ def main() -> int:
     ap.add_argument(
         "--use-hugepages",
         action="store_true",
-        help="also measure throughput with --use-hugepages (hugetlb: 3 GiB of 2 MiB pages must be reserved)",
+        help="also measure throughput with --use-hugepages (hugetlb, 3 GiB of 2 MiB pages: reserved for the "
+        "run as root, the previous reservation restored afterwards)",
+    )
+    ap.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="first wait up to SECONDS for the 1-minute load average to stay below 2 for a minute",
     )
     ap.add_argument(
         "--huge-tmpfs",
@@ -379,8 +398,10 @@ def main() -> int:
     results: dict = {
         "command": " ".join([os.path.relpath(sys.executable), *sys.argv]),
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
-        "load_average_at_start": os.getloadavg(),
     }
+    if args.wait_quiet:
+        results["quiet_wait"] = wait_quiet(args.wait_quiet)
+    results["load_average_at_start"] = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = pathlib.Path(tmpdir)
         if args.part in ("all", "throughput"):
@@ -397,7 +418,7 @@ def main() -> int:
     if args.part != "all":
         return 0
     ratios = {}
-    cases = results["query_latency"]
+    cases = results["query_latency"]["cases"]
     for clients in (1, 16):
         idle = next(c for c in cases if c["clients"] == clients and not c["background_load"])
         busy = next(c for c in cases if c["clients"] == clients and c["background_load"])
@@ -411,7 +432,7 @@ def main() -> int:
                 f"{r['block_bytes'] // KIB}KiBx{r['batch_blocks']}_inflight{r['inflight']}": (
                     r["save_vs_memcpy"] >= 0.8 and r["load_vs_memcpy"] >= 0.8
                 )
-                for r in results[part]
+                for r in results[part]["rows"]
             }
             for part in ("throughput", "throughput_huge_tmpfs", "throughput_hugetlb")
             if part in results
@@ -437,7 +458,94 @@ def huge_tmpfs_available() -> bool:
     return os.geteuid() == 0 and shutil.which("unshare") is not None and shutil.which("mount") is not None
 
 
-def run_throughput(tmp: pathlib.Path, rounds: int, backing: str) -> list[dict]:
+THROUGHPUT_POOL = "3gb"
+HUGEPAGE_BYTES = 2 * MIB
+NR_HUGEPAGES = pathlib.Path("/proc/sys/vm/nr_hugepages")
+
+
+@contextlib.contextmanager
+def reserved_hugepages(pool_bytes: int):
+    """Makes sure ``pool_bytes`` of 2 MiB huge pages are free (reserving more as root while inside);
+    the previous reservation is restored on the way out, whatever happens inside."""
+    meminfo = read_meminfo()
+    free = meminfo.get("HugePages_Free", 0) - meminfo.get("HugePages_Rsvd", 0)
+    need = -(-pool_bytes // HUGEPAGE_BYTES)
+    if free >= need:
+        yield {"reserved_by_bench": 0, "previous_nr_hugepages": int(NR_HUGEPAGES.read_text())}
+        return
+    if os.geteuid() != 0:
+        raise SystemExit(f"--use-hugepages needs {need} free 2 MiB pages, {free} are free (run as root)")
+    previous = int(NR_HUGEPAGES.read_text())
+    try:
+        NR_HUGEPAGES.write_text(str(previous + need - free))
+        meminfo = read_meminfo()
+        got = meminfo.get("HugePages_Free", 0) - meminfo.get("HugePages_Rsvd", 0)
+        if got < need:
+            raise SystemExit(f"--use-hugepages: the kernel reserved only {got} of {need} huge pages")
+        yield {"reserved_by_bench": need - free, "previous_nr_hugepages": previous}
+    finally:
+        NR_HUGEPAGES.write_text(str(previous))
+
+
+class LoadSampler:
+    """Samples the 1-minute load average every few seconds in a thread; summarised per part."""
+
+    def __init__(self, interval_s: float = 5.0):
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="load-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            self.samples.append((time.monotonic(), os.getloadavg()[0]))
+            if self._stop.wait(self.interval_s):
+                return
+
+    def __enter__(self) -> LoadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict:
+        values = [v for _, v in self.samples]
+        return {
+            "load1_min": min(values),
+            "load1_median": statistics.median(values),
+            "load1_max": max(values),
+            "samples": len(values),
+        }
+
+
+def wait_quiet(max_wait_s: float, threshold: float = 2.0, quiet_for_s: float = 60.0) -> dict:
+    """Waits until the 1-minute load average stays below ``threshold`` for ``quiet_for_s``."""
+    start = time.monotonic()
+    quiet_since = None
+    while True:
+        now = time.monotonic()
+        load = os.getloadavg()[0]
+        quiet_since = (quiet_since or now) if load < threshold else None
+        if quiet_since is not None and now - quiet_since >= quiet_for_s:
+            return {"quiet": True, "waited_s": round(now - start), "load1": load}
+        if now - start >= max_wait_s:
+            print(f"machine not quiet after {max_wait_s:.0f} s (load {load:.1f}); running anyway", flush=True)
+            return {"quiet": False, "waited_s": round(now - start), "load1": load}
+        time.sleep(5)
+
+
+def run_throughput(tmp: pathlib.Path, rounds: int, backing: str) -> dict:
+    if backing == "hugetlb":
+        with reserved_hugepages(parse_size(THROUGHPUT_POOL)) as reservation:
+            out = _run_throughput(tmp, rounds, backing)
+        out["hugepages"] = reservation
+        return out
+    return _run_throughput(tmp, rounds, backing)
+
+
+def _run_throughput(tmp: pathlib.Path, rounds: int, backing: str) -> dict:
     print(f"throughput, pool backed by {BACKINGS[backing]} ...", flush=True)
     rows = []
     extra: list[str] = []
@@ -451,14 +559,17 @@ def run_throughput(tmp: pathlib.Path, rounds: int, backing: str) -> list[dict]:
         script = 'mount -t tmpfs -o huge=always,size=4g pegaflow-bench "$0" && exec "$@"'
         launcher = ["unshare", "-m", "--", "sh", "-c", script, str(mount_dir)]
         extra = ["--pool-dir", str(mount_dir)]
-    with ServerProcess(
-        tmp / f"tp-{backing}",
-        pool_size="3gb",
-        http_addr=None,
-        extra_args=extra,
-        launcher=launcher,
-        start_timeout_s=600,  # a huge-page pool may need minutes of compaction
-    ) as srv:
+    with (
+        ServerProcess(
+            tmp / f"tp-{backing}",
+            pool_size=THROUGHPUT_POOL,
+            http_addr=None,
+            extra_args=extra,
+            launcher=launcher,
+            start_timeout_s=600,  # a huge-page pool may need minutes of compaction
+        ) as srv,
+        LoadSampler() as load,
+    ):
         for inflight in (1, 2):
             for block, batch in ((256 * KIB, 64), (256 * KIB, 256), (2 * MIB, 64), (2 * MIB, 256)):
                 row = throughput(srv.addr, block, batch, rounds, inflight)
@@ -466,20 +577,20 @@ def run_throughput(tmp: pathlib.Path, rounds: int, backing: str) -> list[dict]:
                 rows.append(row)
                 size = f"{row['block_bytes'] // KIB} KiB x {row['batch_blocks']}, {row['inflight']} in flight"
                 save = f"save {row['save_gbps']:.1f} GB/s ({row['save_vs_memcpy']:.0%})"
-                load = f"load {row['load_gbps']:.1f} GB/s ({row['load_vs_memcpy']:.0%})"
+                loaded = f"load {row['load_gbps']:.1f} GB/s ({row['load_vs_memcpy']:.0%})"
                 refs = (
                     f"memcpy {row['memcpy_gbps']:.1f} GB/s, pool memcpy {row['pool_memcpy_write_gbps']:.1f}"
                 )
                 vs_pool = f"vs pool memcpy {row['save_vs_pool_memcpy']:.0%}/{row['load_vs_pool_memcpy']:.0%}"
                 rpc = f"rpc ms/batch {row['save_rpc_ms_median']:.2f}/{row['load_rpc_ms_median']:.2f}"
-                print(f"  {size}: {save}, {load}; {refs}; {vs_pool}; {rpc}", flush=True)
-    return rows
+                print(f"  {size}: {save}, {loaded}; {refs}; {vs_pool}; {rpc}", flush=True)
+    return {"backing": BACKINGS[backing], "rows": rows, "load_average": load.summary()}
 
 
-def run_latency(tmp: pathlib.Path, seconds: float) -> list[dict]:
+def run_latency(tmp: pathlib.Path, seconds: float) -> dict:
     print("query latency ...", flush=True)
     cases = []
-    with ServerProcess(tmp / "lat", pool_size="256mb") as srv:
+    with ServerProcess(tmp / "lat", pool_size="256mb") as srv, LoadSampler() as load:
         holder = PegaClient(srv.addr, timeout_s=10.0, name="bench-holder")
         holder.connect()
         inst = holder.register_instance(layout(4 * KIB, "query"))
@@ -498,7 +609,7 @@ def run_latency(tmp: pathlib.Path, seconds: float) -> list[dict]:
                 print(f"  {where}: {lat}, {bg}", flush=True)
         holder.release(lease.lease_id)
         holder.close()
-    return cases
+    return {"cases": cases, "load_average": load.summary()}
 
 
 def _throughput_panel(ax, rows: list[dict], title: str) -> None:
@@ -539,9 +650,9 @@ def plot(results: dict, path: pathlib.Path) -> None:
         panels.append(("throughput_hugetlb", "... pool on hugetlb 2 MiB pages"))
     fig, axes = plt.subplots(1, len(panels) + 1, figsize=(8.5 * len(panels) + 6, 5))
     for ax, (key, title) in zip(axes, panels, strict=False):
-        _throughput_panel(ax, results[key], title)
+        _throughput_panel(ax, results[key]["rows"], title)
     ax2 = axes[-1]
-    cases = results["query_latency"]
+    cases = results["query_latency"]["cases"]
     names = [f"{c['clients']} cl.\n{'loaded' if c['background_load'] else 'idle'}" for c in cases]
     x = np.arange(len(cases))
     ax2.bar(x - 0.2, [c["p50_ms"] for c in cases], 0.4, label="p50", color="#1f77b4")

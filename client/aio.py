@@ -40,7 +40,7 @@ class AsyncPegaClient(ClientBase):
         self._establish_lock: asyncio.Lock | None = None
         self._wake: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
-        self._undo_tasks: set[asyncio.Task] = set()
+        self._sending: set[asyncio.Task] = set()  # fire-and-forget calls (see _send)
 
     # ------------------------------------------------------------- lifecycle
 
@@ -67,8 +67,8 @@ class AsyncPegaClient(ClientBase):
                 await self._worker
             except (asyncio.CancelledError, Exception):
                 pass
-        if self._undo_tasks:  # give pending releases / aborts their chance, within the timeout
-            await asyncio.wait(list(self._undo_tasks), timeout=self._timeout(timeout_s))
+        if self._sending:  # give pending releases / aborts their chance, within the timeout
+            await asyncio.wait(list(self._sending), timeout=self._timeout(timeout_s))
         with self._lock:
             conn, self._conn = self._conn, None
         if conn is not None:
@@ -137,7 +137,7 @@ class AsyncPegaClient(ClientBase):
             return codec.prefix_hit(await self._call("QueryPrefix", req, timeout_s))
         except errors.DeadlineExceeded:
             if lease:  # the server may still serve it late: release (or pre-empt) that lease
-                self._undo("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=req.lease_id))
+                self._send("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=req.lease_id))
             raise
 
     async def load_blocks(
@@ -146,10 +146,15 @@ class AsyncPegaClient(ClientBase):
         req = pb.LoadBlocksRequest(instance_id=self._instance_id(inst), lease_id=lease_id)
         return codec.locations((await self._call("LoadBlocks", req, timeout_s)).locations)
 
-    async def release(self, lease_id: str, loaded_bytes: int = 0, timeout_s: float | None = None) -> None:
-        await self._call(
-            "ReleaseLease", pb.ReleaseLeaseRequest(lease_id=lease_id, loaded_bytes=loaded_bytes), timeout_s
-        )
+    async def release(
+        self, lease_id: str, loaded_bytes: int = 0, timeout_s: float | None = None, wait: bool = True
+    ) -> None:
+        """As PegaClient.release: ``wait=False`` sends it without waiting for the answer."""
+        req = pb.ReleaseLeaseRequest(lease_id=lease_id, loaded_bytes=loaded_bytes)
+        if wait:
+            await self._call("ReleaseLease", req, timeout_s)
+        else:
+            self._send("ReleaseLease", req, timeout_s)
 
     async def allocate(
         self, inst: InstanceHandle, hashes: Sequence[bytes], timeout_s: float | None = None
@@ -158,7 +163,7 @@ class AsyncPegaClient(ClientBase):
         try:
             return codec.save_batch(await self._call("AllocateBlocks", req, timeout_s))
         except errors.DeadlineExceeded:
-            self._undo("AbortBlocks", pb.AbortBlocksRequest(save_id=req.save_id))
+            self._send("AbortBlocks", pb.AbortBlocksRequest(save_id=req.save_id))
             raise
 
     async def seal(
@@ -186,8 +191,9 @@ class AsyncPegaClient(ClientBase):
             await self._lost(conn, exc)
         raise exc
 
-    def _undo(self, method: str, request) -> None:
-        """Fire-and-forget: releases / aborts what a timed-out call may still be granted (by its id)."""
+    def _send(self, method: str, request, timeout_s: float | None = None) -> None:
+        """Fire-and-forget (a release, or the undo of what a timed-out call may still be granted, by
+        its id)."""
         conn = self._conn
         if conn is None:
             return  # no session: whatever it held dies with it on the server
@@ -195,13 +201,13 @@ class AsyncPegaClient(ClientBase):
 
         async def send() -> None:
             try:
-                await getattr(conn.stub, method)(request, timeout=self.timeout_s)
+                await getattr(conn.stub, method)(request, timeout=self._timeout(timeout_s))
             except (grpc.RpcError, ValueError, RuntimeError):
                 pass
 
         task = asyncio.get_running_loop().create_task(send())
-        self._undo_tasks.add(task)  # keep a reference until it is done
-        task.add_done_callback(self._undo_tasks.discard)
+        self._sending.add(task)  # keep a reference until it is done
+        task.add_done_callback(self._sending.discard)
 
     async def _lost(self, conn: Connection, exc: Exception) -> None:
         if self._detach(conn, exc):
@@ -216,7 +222,7 @@ class AsyncPegaClient(ClientBase):
     async def _register(self, conn: Connection, handle: InstanceHandle, deadline: float) -> None:
         req = self._register_request(handle)
         resp = await self._call("RegisterInstance", req, max(deadline - time.monotonic(), 0.001), conn=conn)
-        self._registered(conn, handle, resp)
+        handle._set(resp.instance_id, resp.namespace_id)
 
     async def _establish(self, deadline: float) -> None:
         if self._establish_lock is None:

@@ -196,11 +196,6 @@ class ClientBase:
 
     # ------------------------------------------------------------- reconnect rules
 
-    def _registered(
-        self, conn: Connection, handle: InstanceHandle, resp: pb.RegisterInstanceResponse
-    ) -> None:
-        handle._set(resp.instance_id, resp.namespace_id, conn.epoch)
-
     def _rejected_after_reconnect(self, handle: InstanceHandle, exc: errors.PegaflowError) -> None:
         handle._clear()
         handle.rejection = str(exc)

@@ -15,6 +15,7 @@ Create the client in the process that uses it (after any fork).
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 from collections.abc import Sequence
@@ -46,6 +47,7 @@ class PegaClient(ClientBase):
         self._devices: list[DeviceHandle] = []  # GPU registrations, re-registered after a reconnect
         self._wake = threading.Event()
         self._worker: threading.Thread | None = None
+        self._sending: set = set()  # futures of fire-and-forget calls (see _send)
 
     # ------------------------------------------------------------- lifecycle
 
@@ -73,6 +75,10 @@ class PegaClient(ClientBase):
         if self._worker is not None and self._worker is not threading.current_thread():
             self._worker.join(timeout=self._timeout(timeout_s) + 1)
         with self._lock:
+            sending = list(self._sending)
+        if sending:  # give pending releases / aborts their chance, within the timeout
+            concurrent.futures.wait(sending, timeout=self._timeout(timeout_s))
+        with self._lock:
             conn, self._conn = self._conn, None
         if conn is not None:
             try:
@@ -94,8 +100,11 @@ class PegaClient(ClientBase):
     def wait_pool_populated(self, timeout_s: float | None = None) -> bool:
         """Maps the pool (if not yet) and waits until its page tables are filled in the background (first
         copies then no longer fault per 4 KiB page); True when done. Never needed for correctness."""
-        self.pool_view()
-        return self._require().pool.populated.wait(timeout_s if timeout_s is not None else self.timeout_s)
+        pool = self._require().pool
+        if pool is None:
+            return True  # map_pool=False: nothing to populate
+        pool.view()
+        return pool.populated.wait(timeout_s if timeout_s is not None else self.timeout_s)
 
     # ------------------------------------------------------------- instances
 
@@ -155,7 +164,7 @@ class PegaClient(ClientBase):
             return codec.prefix_hit(self._call("QueryPrefix", req, timeout_s))
         except errors.DeadlineExceeded:
             if lease:  # the server may still serve it late: release (or pre-empt) that lease
-                self._undo("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=req.lease_id))
+                self._send("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=req.lease_id))
             raise
 
     def load_blocks(
@@ -165,10 +174,16 @@ class PegaClient(ClientBase):
         req = pb.LoadBlocksRequest(instance_id=self._instance_id(inst), lease_id=lease_id)
         return codec.locations(self._call("LoadBlocks", req, timeout_s).locations)
 
-    def release(self, lease_id: str, loaded_bytes: int = 0, timeout_s: float | None = None) -> None:
-        self._call(
-            "ReleaseLease", pb.ReleaseLeaseRequest(lease_id=lease_id, loaded_bytes=loaded_bytes), timeout_s
-        )
+    def release(
+        self, lease_id: str, loaded_bytes: int = 0, timeout_s: float | None = None, wait: bool = True
+    ) -> None:
+        """Ends a lease. ``wait=False`` sends the release without waiting for its answer: a load is
+        done once its bytes are copied, and a release that fails leaves the lease to its TTL."""
+        req = pb.ReleaseLeaseRequest(lease_id=lease_id, loaded_bytes=loaded_bytes)
+        if wait:
+            self._call("ReleaseLease", req, timeout_s)
+        else:
+            self._send("ReleaseLease", req, timeout_s)
 
     # ------------------------------------------------------------- save path
 
@@ -185,7 +200,7 @@ class PegaClient(ClientBase):
         try:
             return codec.save_batch(self._call("AllocateBlocks", req, timeout_s))
         except errors.DeadlineExceeded:
-            self._undo("AbortBlocks", pb.AbortBlocksRequest(save_id=req.save_id))
+            self._send("AbortBlocks", pb.AbortBlocksRequest(save_id=req.save_id))
             raise
 
     def seal(
@@ -313,16 +328,25 @@ class PegaClient(ClientBase):
             self._lost(conn, exc)
         raise exc
 
-    def _undo(self, method: str, request) -> None:
-        """Fire-and-forget: releases / aborts what a timed-out call may still be granted (by its id)."""
+    def _send(self, method: str, request, timeout_s: float | None = None) -> None:
+        """Fire-and-forget (a release, or the undo of what a timed-out call may still be granted, by its
+        id). The call's future is kept until it completes: grpc cancels a call whose future is
+        garbage-collected, possibly before the request went out."""
         conn = self._conn
         if conn is None:
             return  # no session: whatever it held dies with it on the server
         request.session_id = conn.session_id
         try:
-            getattr(conn.stub, method).future(request, timeout=self.timeout_s)
+            future = getattr(conn.stub, method).future(request, timeout=self._timeout(timeout_s))
         except (grpc.RpcError, ValueError):
-            pass
+            return
+        with self._lock:
+            self._sending.add(future)
+        future.add_done_callback(self._sent)
+
+    def _sent(self, future) -> None:
+        with self._lock:
+            self._sending.discard(future)
 
     def _lost(self, conn: Connection, exc: Exception) -> None:
         """Drops ``conn`` (if still current) and wakes the reconnect thread."""
@@ -337,7 +361,7 @@ class PegaClient(ClientBase):
     def _register(self, conn: Connection, handle: InstanceHandle, deadline: float) -> None:
         req = self._register_request(handle)
         resp = self._call("RegisterInstance", req, max(deadline - time.monotonic(), 0.001), conn=conn)
-        self._registered(conn, handle, resp)
+        handle._set(resp.instance_id, resp.namespace_id)
 
     def _establish(self, deadline: float) -> None:
         """Opens a new session (new channel, pool fd, instances) and makes it current."""

@@ -110,7 +110,6 @@ class InstanceHandle:
         self._lock = threading.Lock()
         self._instance_id = ""
         self._namespace_id = ""
-        self._epoch = ""
         self.rejection = ""  # why the server refused it after a reconnect (then it stays unregistered)
 
     @property
@@ -130,11 +129,10 @@ class InstanceHandle:
     def block_bytes(self) -> int:
         return self.layout.block_bytes
 
-    def _set(self, instance_id: str, namespace_id: str, epoch: str) -> None:
+    def _set(self, instance_id: str, namespace_id: str) -> None:
         with self._lock:
             self._instance_id = instance_id
             self._namespace_id = namespace_id
-            self._epoch = epoch
 
     def _clear(self) -> None:
         with self._lock:

@@ -167,6 +167,11 @@ class EngineStats:
     total_slabs: int
     stranded_bytes: int
     slab_moves: int
+    save_bytes: int
+    load_bytes: int
+    lookup_queries: int
+    load_queries: int
+    load_missed_blocks: int
 
 
 class Counters:
@@ -557,10 +562,15 @@ class KVEngine:
             new_hashes: list[bytes] = []
             new_positions: list[int] = []
             get = self._index.get
+            stored: list[BlockEntry] = []
             for position, block_hash in enumerate(hashes):
                 entry = get((ns_index, block_hash))
                 if entry is not None:
-                    statuses.append(AllocStatus.EXISTS if entry.state == SEALED else AllocStatus.IN_PROGRESS)
+                    if entry.state == SEALED:
+                        statuses.append(AllocStatus.EXISTS)
+                        stored.append(entry)
+                    else:
+                        statuses.append(AllocStatus.IN_PROGRESS)
                 elif block_hash in save.pending:  # the same hash twice in one request
                     statuses.append(AllocStatus.IN_PROGRESS)
                 else:
@@ -569,8 +579,9 @@ class KVEngine:
                     new_hashes.append(block_hash)
                     new_positions.append(position)
             # Slots come back held, so a slab holding them is never chosen for a slab move meanwhile;
-            # whatever could not be had (nothing evictable, deadline) is NO_SPACE.
-            offsets = self._allocate_slots(block_bytes, len(new_hashes), deadline)
+            # whatever could not be had (nothing evictable, deadline) is NO_SPACE. The chain's stored
+            # blocks are not evicted to make room for its own tail, which is useless without them.
+            offsets = self._allocate_slots(block_bytes, len(new_hashes), deadline, keep=stored)
             for position, block_hash in zip(
                 new_positions[len(offsets) :], new_hashes[len(offsets) :], strict=True
             ):
@@ -675,6 +686,11 @@ class KVEngine:
                 total_slabs=alloc.total_slabs,
                 stranded_bytes=alloc.stranded_bytes,
                 slab_moves=self.allocator.slab_moves,
+                save_bytes=self.counters.save_bytes,
+                load_bytes=self.counters.load_bytes,
+                lookup_queries=self.counters.queries,
+                load_queries=self.counters.load_queries,
+                load_missed_blocks=self.counters.load_missed_blocks,
             )
 
     # -------------------------------------------------------------- internals
@@ -877,9 +893,12 @@ class KVEngine:
         self.policy.on_remove(entry.key)
         self.counters.evictions += 1
 
-    def _allocate_slots(self, block_bytes: int, count: int, deadline: float | None) -> list[int]:
+    def _allocate_slots(
+        self, block_bytes: int, count: int, deadline: float | None, keep: Sequence[BlockEntry] = ()
+    ) -> list[int]:
         """Up to ``count`` held slots for blocks of this size, evicting as the policy says when the pool
-        is full; fewer only when nothing evictable is left or the deadline passed.
+        is full (never a block of ``keep``); fewer only when nothing evictable is left or the deadline
+        passed.
 
         The policy's victims are evicted (whatever their size) until enough slots of this size are
         free: a victim of this size frees one, and a slab that empties can go to any size. Victims of
@@ -893,6 +912,13 @@ class KVEngine:
         need = count - len(offsets)
         if need == 0:
             return offsets
+        skip = self._is_pinned
+        if keep:
+            kept = {entry.key for entry in keep}
+
+            def skip(key: BlockKey) -> bool:
+                return key in kept or self._is_pinned(key)
+
         freed_elsewhere = 0
         rounds = 0
         while allocator.available(block_bytes) < need:
@@ -903,7 +929,7 @@ class KVEngine:
                 freed_elsewhere = 0
                 if self._move_slab(block_bytes):
                     continue
-            victim = self.policy.next_victim(self._is_pinned)
+            victim = self.policy.next_victim(skip)
             if victim is None:
                 if not self._move_slab(block_bytes):
                     break  # nothing evictable is left

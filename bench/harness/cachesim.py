@@ -10,9 +10,13 @@ The model of a KV cache here is the one vLLM's connector interface imposes:
 - a lookup hits the longest run of leading blocks that are resident, capped at `(len - 1) //
   block_tokens` blocks because vLLM always computes at least the prompt's last token;
 - after the request, the blocks it computed (every full block after the loaded prefix) are stored,
-  as the connector saves them; the least recently used blocks are evicted when the pool is full;
+  as the connector saves them: with the loaded prefix sent along, so the save names the whole chain;
+  the least recently used blocks are evicted when the pool is full, never the chain's own stored
+  blocks (its tail is useless without them), and new blocks that still do not fit are dropped
+  from the tail;
 - like the server's engine, the blocks of one lookup or one save are used tail first, so within
-  them the head is the most recent and a prefix is evicted from its tail.
+  them the head is the most recent and a prefix is evicted from its tail; a save restates its
+  whole chain, so a loaded head stays ahead of the continuation computed after it.
 Replayed against the real server with one request at a time, this model reproduced the shared
 pool's hits block for block and the isolated pools' within ~5 % (bench/README.md).
 It ignores timing (requests are replayed one at a time, in trace order), decode-time blocks and
@@ -138,17 +142,33 @@ class LRUBlockPool:
         return hits
 
     def store(self, rb: RequestBlocks, loaded: int = 0) -> None:
-        """Stores the blocks the request computed: every full block after the `loaded` prefix."""
+        """Stores the blocks the request computed (every full block after the `loaded` prefix),
+        saved with the prefix as one chain, as the server's engine handles that save: room is made
+        by evicting the least recently used blocks outside the chain, new blocks that still do not
+        fit are dropped from the tail, then the chain is restated tail first (new blocks inserted,
+        stored ones refreshed), leaving its head the most recent."""
         if self.capacity == 0:
             return
-        for key in reversed(rb.keys[loaded:]):
+        chain = rb.keys
+        new = [key for key in chain if key not in self._resident]
+        short = len(self._resident) + len(new) - self.capacity
+        if short > 0:
+            kept = set(chain)
+            victims = []
+            for key in self._resident:  # coldest first
+                if key not in kept:
+                    victims.append(key)
+                    if len(victims) == short:
+                        break
+            for key in victims:
+                del self._resident[key]
+            self.evictions += len(victims)
+        fits = set(new[: self.capacity - len(self._resident)])
+        for key in reversed(chain):
             if key in self._resident:
                 self._resident.move_to_end(key)
-            else:
+            elif key in fits:
                 self._resident[key] = None
-                if len(self._resident) > self.capacity:
-                    self._resident.popitem(last=False)
-                    self.evictions += 1
 
 
 def simulate(blocks: Sequence[RequestBlocks], num_pools: int, capacity_blocks: int) -> SimResult:

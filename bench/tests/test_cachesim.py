@@ -45,21 +45,24 @@ def test_lru_evicts_the_least_recently_used_block():
     assert pool.lookup(a) == 1 and pool.lookup(b) == 0 and pool.lookup(c) == 1
 
 
-def test_a_prefix_is_evicted_from_its_tail_and_only_computed_blocks_are_stored():
+def test_a_prefix_is_evicted_from_its_tail_and_a_save_keeps_its_loaded_head():
     pool = cachesim.LRUBlockPool(3)
     prefix = cachesim.RequestBlocks.of(req(0, [*range(12), 0]), BT)  # 3 blocks
     pool.store(prefix)
     other = cachesim.RequestBlocks.of(req(1, [9, 9, 9, 9, 0]), BT)
     pool.store(other)  # evicts one block of the prefix: its tail, not its head
     assert pool.lookup(prefix) == 2
-    # a request that loaded 2 blocks stores only what it computed after them
+    # a request that loaded 2 blocks saves what it computed after them, with the loaded head
     longer = cachesim.RequestBlocks.of(req(2, [*range(16), 0]), BT)
     assert pool.lookup(longer) == 2
     pool.store(longer, loaded=2)
-    assert pool.evictions == 3 and len(pool) == 3
-    # The computed suffix is now more recent than the loaded head and pushed part of the head out:
-    # only block 0 still leads the prefix (what the real connector + engine do; README).
-    assert pool.lookup(longer) == 1
+    # Room for the computed blocks comes from outside the chain ("other"), never from the loaded
+    # head; the last block does not fit and is dropped; the head stays the most recent (what the
+    # real connector + engine do, server/engine.py).
+    assert pool.evictions == 2 and len(pool) == 3
+    assert pool.lookup(longer) == 3
+    pool.store(other)  # pressure: the chain loses its tail first
+    assert pool.lookup(longer) == 2 and pool.lookup(prefix) == 2
 
 
 def test_exact_ceiling_counts_first_sightings_as_unavoidable_misses():

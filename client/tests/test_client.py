@@ -347,3 +347,15 @@ def test_query_purpose_reaches_the_server(inproc_server):
         with pytest.raises(ValueError):
             c.query_prefix(inst, [b"p1"], purpose=5)
         assert c.stats().load_queries == 2
+
+
+def test_releases_sent_without_waiting_all_reach_the_server(inproc_server):
+    """grpc cancels a call whose future is garbage-collected: a fire-and-forget release must keep it."""
+    with PegaClient(inproc_server.address, timeout_s=10.0) as c:
+        inst = c.register_instance(LAYOUT)
+        c.seal(c.allocate(inst, [b"ff"]).save_id)
+        for _ in range(50):
+            hit = c.query_prefix(inst, [b"ff"], lease=True)
+            c.release(hit.lease_id, loaded_bytes=BLOCK, wait=False)
+        wait_for(lambda: c.stats().live_leases == 0)
+        assert c.stats().load_bytes == 50 * BLOCK  # every one arrived (none expired at its TTL)

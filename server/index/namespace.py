@@ -96,12 +96,6 @@ class NamespaceTable:
             self._by_index.append(ns)
         return ns
 
-    def get(self, ns_id: str) -> Namespace | None:
-        return self._by_id.get(ns_id)
-
-    def by_index(self, index: int) -> Namespace:
-        return self._by_index[index]
-
     def __iter__(self):
         return iter(self._by_index)
 

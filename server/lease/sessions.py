@@ -17,7 +17,6 @@ class Session:
         "client_name",
         "pid",
         "hostname",
-        "opened_at",
         "last_seen",
         "expires",
         "attachments",
@@ -31,7 +30,6 @@ class Session:
         self.client_name = client_name
         self.pid = pid
         self.hostname = hostname
-        self.opened_at = now
         self.last_seen = now
         self.expires = expires  # False for in-process (embedded) sessions: no heartbeat needed
         self.attachments = 0  # open fd-broker connections
@@ -62,6 +60,3 @@ class SessionTable:
 
     def __len__(self) -> int:
         return len(self._sessions)
-
-    def __iter__(self):
-        return iter(list(self._sessions.values()))

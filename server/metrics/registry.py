@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pegaflow.server.engine import EngineObserver, KVEngine
+from pegaflow.server.metrics.hll_ceiling import HitRateCeiling
 from pegaflow.server.metrics.windowed_rate import WindowedHitRate
 
 log = logging.getLogger(__name__)
@@ -30,18 +31,6 @@ FEED_INTERVAL_S = 0.1
 # Bounded so a stalled feeder cannot grow memory without limit; what is dropped is counted.
 MAX_PENDING_LOOKUPS = 100_000
 MAX_KEYS_PER_ADD = 65_536
-
-
-def _load_ceiling(windows: dict[str, float]):
-    """The HLL ceiling (server/metrics/hll_ceiling.py, written by the policy engineer), if present."""
-    try:
-        from pegaflow.server.metrics.hll_ceiling import HitRateCeiling
-    except ImportError:
-        log.warning(
-            "metrics: HitRateCeiling is not available; pegaflow_hll_estimated_hit_rate is not exported"
-        )
-        return None
-    return HitRateCeiling(windows)
 
 
 class ServerMetrics(EngineObserver):
@@ -73,7 +62,7 @@ class ServerMetrics(EngineObserver):
             registry=self.registry,
         )
         self.hit_rate = WindowedHitRate(self.windows)
-        self.ceiling = _load_ceiling(self.windows)
+        self.ceiling = HitRateCeiling(self.windows)
         self.dropped_lookups = 0
         self._engine: KVEngine | None = None
         self._pending: deque[tuple[int, Sequence[bytes], int]] = deque()
@@ -119,10 +108,7 @@ class ServerMetrics(EngineObserver):
         self.flush()
         with self._state_lock:
             measured = self.hit_rate.rates()
-            if self.ceiling is None:
-                ceiling = {}
-            else:
-                ceiling = {name: self.ceiling.ceiling(name) for name in self.windows}
+            ceiling = {name: self.ceiling.ceiling(name) for name in self.windows}
         return measured, ceiling
 
     def flush(self, max_rounds: int = 4) -> None:
@@ -159,8 +145,7 @@ class ServerMetrics(EngineObserver):
             return
         with self._state_lock:
             self.hit_rate.add(hits, requests)
-            if self.ceiling is not None:
-                self.ceiling.add(keys)
+            self.ceiling.add(keys)
 
 
 class _EngineCollector:
@@ -291,24 +276,23 @@ class _EngineCollector:
             if value is not None:
                 rate.add_metric([name], value)
         yield rate
-        if self._metrics.ceiling is not None:
-            est = GaugeMetricFamily(
-                "pegaflow_hll_estimated_hit_rate",
-                "Hit-rate ceiling r* = (N - U) / N over the window, U estimated with HyperLogLog",
-                labels=["window"],
-            )
-            for name, value in ceiling.items():
-                if value is not None:
-                    est.add_metric([name], value)
-            yield est
-            mem = GaugeMetricFamily(
-                "pegaflow_hll_memory_bytes",
-                "Memory of the HyperLogLog registers per window",
-                labels=["window"],
-            )
-            for name in self._metrics.windows:
-                mem.add_metric([name], self._metrics.ceiling.memory_bytes(name))
-            yield mem
+        est = GaugeMetricFamily(
+            "pegaflow_hll_estimated_hit_rate",
+            "Hit-rate ceiling r* = (N - U) / N over the window, U estimated with HyperLogLog",
+            labels=["window"],
+        )
+        for name, value in ceiling.items():
+            if value is not None:
+                est.add_metric([name], value)
+        yield est
+        mem = GaugeMetricFamily(
+            "pegaflow_hll_memory_bytes",
+            "Memory of the HyperLogLog registers per window",
+            labels=["window"],
+        )
+        for name in self._metrics.windows:
+            mem.add_metric([name], self._metrics.ceiling.memory_bytes(name))
+        yield mem
         yield counter(
             "pegaflow_metrics_dropped_lookups",
             "Lookups not fed to the hit-rate windows (feeder behind)",

@@ -107,7 +107,9 @@ class SlabAllocator:
         self.slab_bytes = slab_bytes
         self.total_slabs = capacity_bytes // slab_bytes
         self._slabs: list[_Slab | None] = [None] * self.total_slabs
-        self._free_slabs = list(range(self.total_slabs - 1, -1, -1))  # pop() -> lowest index first
+        # A min-heap: free slabs are handed out lowest address first, so a batch that needs several
+        # gets adjacent ones when there are, and its blocks form one run (one long copy for a client).
+        self._free_slabs = list(range(self.total_slabs))
         self._classes: dict[int, _SizeClass] = {}
         self.used_bytes = 0
         self.slab_moves = 0  # slabs reassigned from one size to another
@@ -144,7 +146,7 @@ class SlabAllocator:
             if slab is None:
                 if not self._free_slabs:
                     break
-                slab = self._assign_slab(cls, self._free_slabs.pop())
+                slab = self._assign_slab(cls, heapq.heappop(self._free_slabs))
             take = min(count - len(out), len(slab.free))
             taken = slab.free[-take:]
             del slab.free[-take:]
@@ -289,4 +291,4 @@ class SlabAllocator:
         self._slabs[slab.index] = None
         cls.slabs.discard(slab.index)
         cls.partial.discard(slab.index)
-        self._free_slabs.append(slab.index)
+        heapq.heappush(self._free_slabs, slab.index)

@@ -311,17 +311,17 @@ class EngineServicer(pb_grpc.EngineServicer):
                 )
                 for ns in stats.namespaces
             ],
-            save_bytes=self._engine.counters.save_bytes,
-            load_bytes=self._engine.counters.load_bytes,
+            save_bytes=stats.save_bytes,
+            load_bytes=stats.load_bytes,
             open_saves=stats.open_saves,
             slab_bytes=stats.slab_bytes,
             free_slabs=stats.free_slabs,
             total_slabs=stats.total_slabs,
             stranded_bytes=stats.stranded_bytes,
             slab_moves=stats.slab_moves,
-            lookup_queries=self._engine.counters.queries,
-            load_queries=self._engine.counters.load_queries,
-            load_missed_blocks=self._engine.counters.load_missed_blocks,
+            lookup_queries=stats.lookup_queries,
+            load_queries=stats.load_queries,
+            load_missed_blocks=stats.load_missed_blocks,
         )
         if self._metrics is not None:
             measured, ceiling = self._metrics.window_rates()

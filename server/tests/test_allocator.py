@@ -23,6 +23,17 @@ def test_fresh_slab_hands_out_contiguous_ascending_slots():
     assert offsets == [i * 256 * 1024 for i in range(16)]  # one slab, 16 slots, in order
 
 
+def test_a_batch_over_freed_slabs_gets_them_in_address_order_as_one_run():
+    alloc = SlabAllocator(32 * MIB, slab_bytes=4 * MIB)  # 8 slabs of 2 blocks of 2 MiB
+    offsets = alloc.allocate_many(2 * MIB, 16)
+    assert offsets == [i * 2 * MIB for i in range(16)]
+    for slab in (5, 1, 6, 2):  # emptied in scattered order
+        alloc.free(slab * 4 * MIB)
+        alloc.free(slab * 4 * MIB + 2 * MIB)
+    again = alloc.allocate_many(2 * MIB, 4)
+    assert again == [4 * MIB, 6 * MIB, 8 * MIB, 10 * MIB]  # slabs 1 and 2: adjacent, one run
+
+
 def test_sizes_get_separate_slabs_and_empty_slabs_return_to_the_pool():
     alloc = SlabAllocator(32 * MIB, slab_bytes=4 * MIB)
     a = alloc.allocate(256 * 1024)

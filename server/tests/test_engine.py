@@ -445,3 +445,15 @@ def test_a_chain_saved_in_parts_is_restated_head_first(engine):
     engine.refresh_chain(sid, iid, chain)
     save(engine, sid, iid, hashes(capacity - 12 + 3, "pressure"))
     assert engine.query_prefix(sid, iid, chain).num_hits == 9
+
+
+def test_a_save_never_evicts_its_own_stored_head_to_make_room_for_its_tail(engine):
+    sid = engine.open_session("t").session_id
+    iid = engine.register_instance(sid, layout()).instance_id
+    capacity = capacity_of(engine)
+    head, continuation = hashes(8, "head"), hashes(8, "tail")
+    save(engine, sid, iid, head)
+    save(engine, sid, iid, hashes(capacity - 8, "filler"))  # the head is now the coldest
+    statuses = save(engine, sid, iid, head + continuation)
+    assert statuses == [AllocStatus.EXISTS] * 8 + [AllocStatus.GRANTED] * 8
+    assert engine.query_prefix(sid, iid, head + continuation).num_hits == 16  # fillers made the room

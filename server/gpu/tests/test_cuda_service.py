@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
     pytest.skip("the worker stand-in needs torch with CUDA", allow_module_level=True)
 
 from pegaflow.server.config import ServerConfig  # noqa: E402
-from pegaflow.server.engine import AllocStatus, KVEngine  # noqa: E402
+from pegaflow.server.engine import AllocStatus, KVEngine, QueryPurpose  # noqa: E402
 from pegaflow.server.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound  # noqa: E402
 from pegaflow.server.gpu.registration import DeviceRegistration  # noqa: E402
 from pegaflow.server.gpu.service import GpuDataPath, GpuOptions  # noqa: E402
@@ -203,5 +203,49 @@ def test_chunked_save_and_load_keep_prefix_semantics(worker, stack):
     assert gpu.load(session, rid, holed, targets, _deadline()).num_hits == 35
     assert worker.ask("blocks", "cross_layer", targets[:35]) == want
     _eventually(lambda: engine.stats().pinned_blocks == 0)
+    gpu.unregister(session, rid)
+    engine.close_session(session)
+
+
+def test_a_chunked_load_counts_one_request_and_a_load_purpose_none(worker, stack):
+    """(server follow-up) The chunks' queries are accounted as one query of the whole request."""
+    engine, gpu = stack
+    session = engine.open_session("counting").session_id
+    reg = worker.regs["kv_first"]
+    inst = _instance(engine, session, reg)
+    rid = gpu.register(session, inst, reg)
+    hashes = _hashes("counted", 20)  # chunks of 8 + 12
+    assert gpu.save(session, rid, hashes, list(range(20)), _deadline()).written == 20
+    before = engine.stats()
+    targets = list(range(30, 51))
+    assert gpu.load(session, rid, hashes + [b"absent"], targets, _deadline()).num_hits == 20
+    _eventually(lambda: engine.stats().lookup_queries == before.lookup_queries + 1)  # off the critical path
+    after = engine.stats()
+    assert (after.hits - before.hits, after.misses - before.misses) == (20, 1)
+    load = gpu.load(session, rid, hashes, targets[:20], _deadline(), QueryPurpose.LOAD)
+    assert load.num_hits == 20
+    _eventually(lambda: engine.stats().load_queries == before.load_queries + 1)
+    assert engine.stats().hits == after.hits and engine.stats().lookup_queries == after.lookup_queries
+    gpu.unregister(session, rid)
+    engine.close_session(session)
+
+
+def test_a_chunked_save_leaves_its_chain_head_most_recent(worker, stack):
+    """(server follow-up) Chunks are sealed head first; the chain is restated after the last one."""
+    engine, gpu = stack
+    session = engine.open_session("chain").session_id
+    reg = worker.regs["kv_first"]
+    inst = _instance(engine, session, reg)
+    rid = gpu.register(session, inst, reg)
+    hashes = _hashes("chain", 20)
+    assert gpu.save(session, rid, hashes, list(range(20)), _deadline()).written == 20
+    ns = engine._instances[inst].namespace.index
+    keys = [(ns, h) for h in hashes]
+    wanted = set(keys)
+
+    def order() -> list:  # the chain's keys, coldest first (LRU, the default policy)
+        return [k for k in list(engine.policy._recency) if k in wanted]
+
+    _eventually(lambda: order() == keys[::-1])
     gpu.unregister(session, rid)
     engine.close_session(session)
