@@ -46,6 +46,9 @@ from pegaflow.connector.server_link import ServerLink, batches
 log = logging.getLogger("vllm.pegaflow.connector.worker")
 
 
+_DEVICE_RETRY_S = 30.0  # CUDA path: how often a refused device registration is asked again
+
+
 def _remaining(deadline: float) -> float:
     return max(deadline - time.monotonic(), 0.001)
 
@@ -151,6 +154,8 @@ class WorkerConnector:
         self._pending_saves: collections.Counter[str] = collections.Counter()
         self._awaiting_free: set[str] = set()
         self._device_handle: Any = None
+        self._device_retry_at = 0.0  # CUDA path: no registration attempt before this time
+        self._device_refusal = ""  # the server's last refusal, logged once
         self.stats = collections.Counter()
 
     @property
@@ -244,9 +249,35 @@ class WorkerConnector:
         return PegaHandshake(self.tp_rank, None, self.disabled_reason or "KV tensors not registered")
 
     def _device_handle_for(self, client: Any, inst: Any) -> Any:
-        """CUDA path: the device-memory registration (the client renews it after reconnects)."""
-        if self._device_handle is None:
+        """CUDA path: the device-memory registration (the client renews it after reconnects),
+        or None when there is none now: then loads are recomputed and saves skipped.
+
+        A server that refuses the registration (no GPU data path, a layout it cannot copy) is
+        asked again at most every _DEVICE_RETRY_S, and the refusal is logged once."""
+        from pegaflow.client import errors
+
+        if self._device_handle is not None:
+            return self._device_handle
+        if time.monotonic() < self._device_retry_at:
+            return None
+        try:
             self._device_handle = self.gpu.register(client, inst, self.cfg.rpc_timeout_s)
+        except errors.ServerUnavailable as exc:
+            assert self.link is not None
+            self.link.report_failure(exc, "device registration")
+            return None
+        except errors.PegaflowError as exc:
+            self._device_retry_at = time.monotonic() + _DEVICE_RETRY_S
+            if str(exc) != self._device_refusal:
+                self._device_refusal = str(exc)
+                log.error(
+                    "pegaflow-server refused this worker's GPU KV (%s); serving without the cache, "
+                    "asking again every %.0f s",
+                    exc,
+                    _DEVICE_RETRY_S,
+                )
+            return None
+        self._device_refusal = ""
         return self._device_handle
 
     # -------------------------------------------------------------- loads
@@ -385,7 +416,7 @@ class WorkerConnector:
         handle = self._device_handle_for(client, inst)
         job.t_leased = time.monotonic()
         for transfer in job.transfers:
-            if job.cancelled or job.deadline <= time.monotonic():
+            if handle is None or job.cancelled or job.deadline <= time.monotonic():
                 job.missing_ids.update(transfer.block_ids)
                 continue
             n = 0
@@ -593,6 +624,9 @@ class WorkerConnector:
         Held under the job lock: a preemption waits for the copy rather than let the
         server read blocks the next forward overwrites (bounded by rpc_timeout_ms)."""
         handle = self._device_handle_for(client, inst)
+        if handle is None:
+            self.stats["save_blocks_skipped_unavailable"] += len(job.hashes)
+            return
         start = 0
         for chunk in batches(job.hashes, client):
             ids = job.block_ids[start : start + len(chunk)]
