@@ -93,6 +93,8 @@ class PegaKVConnector(KVConnectorBase_V1):
             lookup=None,
             loads=transfer.is_kv_consumer,
             saves=transfer.is_kv_producer,
+            # with async scheduling the output of step N is seen after step N+1 is built
+            steps_in_flight=2 if vllm_config.scheduler_config.async_scheduling else 1,
         )
         log.info(
             "pegaflow: scheduler connector for %s (lookup %.0f ms, load %.0f ms: "

@@ -34,6 +34,14 @@ class _Lookup:
 
     local_blocks: int  # leading blocks vLLM's own prefix cache already holds
     stored_blocks: int | None  # leading blocks in pegaflow, None when unknown
+    num_hashes: int = 0  # how many block hashes were asked about
+    at: float = 0.0  # when (monotonic seconds)
+
+
+# vLLM asks again, every step, about a request it could not admit yet (no free KV blocks).
+# One answer serves those repeats for this long: a waiting queue then costs the server one
+# lookup per request and second, not one per step, and is not counted as new block requests.
+LOOKUP_REUSE_S = 1.0
 
 
 @dataclasses.dataclass
@@ -46,13 +54,28 @@ class _RequestState:
     pending_load: BlockTransfer | None = None
     pending_failed_ids: list[int] = dataclasses.field(default_factory=list)
     had_saves: bool = False
+    saves_held_until: int = 0  # no saves planned before this step (see _plan_saves)
 
 
 class SchedulerConnector:
-    def __init__(self, *, block_size: int, lookup: PrefixLookup | None, loads: bool, saves: bool):
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        lookup: PrefixLookup | None,
+        loads: bool,
+        saves: bool,
+        steps_in_flight: int = 1,
+    ):
+        """steps_in_flight: engine steps scheduled before the output of a step is seen (1
+        without vLLM's async scheduling, 2 with it): how long saves wait after a load."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if steps_in_flight < 1:
+            raise ValueError(f"steps_in_flight must be at least 1, got {steps_in_flight}")
         self.block_size = block_size
+        self.steps_in_flight = steps_in_flight
+        self._step = 0  # build_meta calls so far
         self._lookup = lookup
         self._loads = loads
         self._saves = saves
@@ -62,6 +85,7 @@ class SchedulerConnector:
         self._finish_saves: list[BlockTransfer] = []  # saves of requests that just finished
         # counters for logs and tests
         self.lookups = 0
+        self.lookups_reused = 0
         self.hit_blocks = 0
         self.saved_blocks = 0
 
@@ -85,19 +109,29 @@ class SchedulerConnector:
         if usable_blocks <= local_blocks:
             self._lookups[request.request_id] = _Lookup(local_blocks, None)
             return 0, False
-        self.lookups += 1
         t0 = time.monotonic()
-        # ask for every full block: knowing the whole stored prefix also spares saving
-        # blocks that are there already
-        stored = self._lookup(hashes)
-        log.debug(
-            "pegaflow: lookup of %d blocks for %s: %s stored (%.1f ms)",
-            len(hashes),
-            request.request_id,
-            stored,
-            (time.monotonic() - t0) * 1e3,
-        )
-        self._lookups[request.request_id] = _Lookup(local_blocks, stored)
+        seen = self._lookups.get(request.request_id)
+        if (
+            seen is not None
+            and seen.stored_blocks is not None
+            and seen.num_hashes == len(hashes)
+            and t0 - seen.at < LOOKUP_REUSE_S
+        ):
+            stored = seen.stored_blocks  # a repeat for a request still waiting: same answer
+            self.lookups_reused += 1
+        else:
+            self.lookups += 1
+            # ask for every full block: knowing the whole stored prefix also spares saving
+            # blocks that are there already
+            stored = self._lookup(hashes)
+            log.debug(
+                "pegaflow: lookup of %d blocks for %s: %s stored (%.1f ms)",
+                len(hashes),
+                request.request_id,
+                stored,
+                (time.monotonic() - t0) * 1e3,
+            )
+        self._lookups[request.request_id] = _Lookup(local_blocks, stored, len(hashes), t0)
         if stored is None:
             return 0, False
         loadable = min(stored, usable_blocks)
@@ -143,6 +177,7 @@ class SchedulerConnector:
 
     # ---------------------------------------------------------------- steps
     def build_meta(self, scheduler_output: Any) -> PegaConnectorMetadata:
+        self._step += 1
         meta = PegaConnectorMetadata()
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
@@ -177,8 +212,11 @@ class SchedulerConnector:
         if self._saves:
             for rid, n_scheduled in scheduler_output.num_scheduled_tokens.items():
                 state = self._reqs.get(rid)
-                if state is not None:
-                    self._plan_saves(state, n_scheduled, meta, defer=rid in loading)
+                if state is None:
+                    continue
+                if rid in loading:
+                    state.saves_held_until = self._step + self.steps_in_flight
+                self._plan_saves(state, n_scheduled, meta)
         meta.saves.extend(self._finish_saves)
         self._finish_saves = []
 
@@ -186,14 +224,16 @@ class SchedulerConnector:
         meta.delayed_free_req_ids, self._delayed_free = self._delayed_free, []
         return meta
 
-    def _plan_saves(
-        self, state: _RequestState, n_scheduled: int, meta: PegaConnectorMetadata, defer: bool
-    ) -> None:
-        """Save the full blocks this step completes. `defer`: the request also loads in this
-        step, and if any rank's load fails, what every rank computes in this step is wrong
-        (under tensor parallelism the all-reduce mixes the ranks). vLLM reports that as a
-        roll-back the scheduler sees before the next step, so those saves are planned then,
-        or dropped with the roll-back: no rank ever stores a block computed over missing KV."""
+    def _plan_saves(self, state: _RequestState, n_scheduled: int, meta: PegaConnectorMetadata) -> None:
+        """Save the full blocks this step completes, unless the request loaded recently.
+
+        When a request loads in step N and any rank's load fails, what every rank computes
+        from step N on is wrong (under tensor parallelism the all-reduce mixes the ranks).
+        vLLM reports that as a roll-back, which the scheduler sees once step N's output is
+        processed: before building step N+1 without async scheduling, before step N+2 with
+        it (step N+1 is scheduled while step N runs). Saves wait until then
+        (`saves_held_until`), and are planned from the roll-back point or dropped with it:
+        no rank ever stores a block computed over missing KV."""
         bs = self.block_size
         before = state.computed_before_step
         if state.expected_computed is not None and before < state.expected_computed:
@@ -201,7 +241,7 @@ class SchedulerConnector:
             # (and may be missing from the store), so they are saved again
             state.next_save_block = min(state.next_save_block, before // bs)
         state.expected_computed = before + n_scheduled
-        if defer:
+        if self._step < state.saves_held_until:
             return
         transfer = self._unsaved_blocks(state, state.expected_computed)
         if transfer is not None:

@@ -17,12 +17,20 @@ The pool's pre-fault time is recorded for both owners (the server's ready line; 
 engine's pegaflow_pool_prefault_seconds, read from its /metrics): it is what the embedded mode
 adds to vLLM's start, and on this VM first touch of fresh memory ranges from ~0.5 to ~20 s/GiB
 depending on what the host has already backed (8 GiB once took 166 s), so it explains the spread.
+
+What the embedded mode costs grows with P while the server-owned start does not, so the ratio
+depends on P. `derive` reports the embedded start's extra seconds per GiB at each size and, at the
+lowest of those rates, the pool size at which the seed's 2.15x would be reached and the ratio at the
+seed's 500 GiB: the limit on this machine is how much memory it has, not the mechanism.
+
+    python -m pegaflow.bench.experiments.startup --redraw bench/results/startup.json
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import pathlib
 import statistics
 import sys
@@ -43,6 +51,8 @@ MODES = ("server", "embedded")
 # PSS of one tiny-model vLLM tree with a 256 MiB KV cache is ~1.7 GiB (recipes/vllm-cpu.md); the
 # rest is headroom for page cache and the other processes of the machine.
 VLLM_FOOTPRINT_BYTES = 3 * GIB
+SEED_RATIO = 71.4 / 33.2  # the seed's figure 2: 2.15x, with a pool of ~500 GiB
+SEED_POOL_GIB = 500
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +206,40 @@ def run(setup: Setup, workdir: pathlib.Path, model_cache: pathlib.Path | None = 
     return report
 
 
+def derive(report: dict) -> None:
+    """What the embedded start costs per GiB of pool at each size measured, and what the lowest
+    of those rates implies for larger pools (a conservative extrapolation: the rate here grows
+    with P once the VM's host has to back fresh memory): report["scaling"]."""
+    sizes = [int(k) for k in report["ratio_by_size"]]
+    if not sizes:
+        return
+    server = statistics.median(
+        report["modes"]["server"][str(size)]["ready_s_stats"]["median"] for size in sizes
+    )
+    per_gib = {}
+    for size in sizes:
+        extra = (
+            report["modes"]["embedded"][str(size)]["ready_s_stats"]["median"]
+            - report["modes"]["server"][str(size)]["ready_s_stats"]["median"]
+        )
+        prefault = report["modes"]["embedded"][str(size)].get("pool_prefault_s_stats", {}).get("median")
+        per_gib[str(size >> 30)] = {
+            "embedded_extra_s_per_gib": extra / (size / GIB),
+            "prefault_s_per_gib": None if prefault is None else prefault / (size / GIB),
+        }
+    rate = min(v["embedded_extra_s_per_gib"] for v in per_gib.values())
+    scaling = {
+        "server_owned_ready_s_median": server,
+        "by_pool_gib": per_gib,
+        "lowest_extra_s_per_gib": rate,
+        "largest_pool_gib": max(sizes) / GIB,
+    }
+    if rate > 0:
+        scaling["pool_gib_for_seed_ratio"] = server * (SEED_RATIO - 1) / rate
+        scaling["predicted_ratio_at_seed_pool"] = 1 + rate * SEED_POOL_GIB / server
+    report["scaling"] = scaling
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -209,7 +253,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=3, help="cold starts per mode and size (default 3)")
     ap.add_argument("--no-baseline", action="store_true", help="skip timing vLLM without a connector")
     ap.add_argument("--modes", default=",".join(MODES), help="pool owners to time (default: %(default)s)")
+    ap.add_argument(
+        "--redraw", type=pathlib.Path, help="recompute the derived numbers and the figure of a saved JSON"
+    )
     args = ap.parse_args(argv)
+    if args.redraw is not None:
+        report = json.loads(args.redraw.read_text())
+        derive(report)
+        results.write_json(args.redraw, report)
+        plots.startup_figure(report, args.redraw.with_suffix(".png"))
+        say(f"rewrote {args.redraw} and {args.redraw.with_suffix('.png')}")
+        return 0
     try:
         sizes = tuple(int(float(x) * GIB) for x in args.sizes_gib.split(",") if x.strip())
     except ValueError:
@@ -228,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = make_workdir(args.workdir, "startup")
     out = args.out or workdir
     report = run(setup, workdir, args.model_cache)
+    derive(report)
     results.write_json(out / "startup.json", report)
     if report["ratio_by_size"]:
         plots.startup_figure(report, out / "startup.png")

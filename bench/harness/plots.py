@@ -159,6 +159,19 @@ def startup_figure(report: dict, path: pathlib.Path) -> None:
             linewidth=1,
             label=f"vLLM without a connector: {baseline['median']:.1f} s",
         )
+    scaling = report.get("scaling")
+    if scaling and scaling.get("pool_gib_for_seed_ratio"):
+        ax.text(
+            0.99,
+            0.97,
+            f"embedded start: at least +{scaling['lowest_extra_s_per_gib']:.2f} s per GiB of pool\n"
+            f"at that rate the seed's 2.15x needs P = {scaling['pool_gib_for_seed_ratio']:.0f} GiB;\n"
+            f"at the seed's 500 GiB: {scaling['predicted_ratio_at_seed_pool']:.1f}x",
+            transform=ax.transAxes,
+            ha="right",
+            va="top",
+            fontsize=7,
+        )
     ax.set_ylim(0, ax.get_ylim()[1] * 1.5)  # room for the legend above the bars
     ax.set_xticks(range(len(sizes)), [f"{s / GIB:.0f} GiB" for s in sizes])
     ax.set_xlabel("host KV pool size P")

@@ -223,6 +223,66 @@ def test_failed_load_rolls_back_and_saves_again_after_the_recompute():
     assert [s.block_ids for s in m2.saves] == [[1, 2, 3, 4, 5, 6]]
 
 
+def test_async_scheduling_holds_saves_until_the_loading_step_output_is_seen():
+    """With async scheduling step N+1 is built before step N's output (and a roll-back from a
+    failed load) is known: saves of a loading request wait one step more."""
+    req = request("a", 1000)
+    store = Store(req.block_hashes[:3])
+    conn = SchedulerConnector(block_size=BS, lookup=store, loads=True, saves=True, steps_in_flight=2)
+    assert admit(conn, req, range(8)) == 3 * BS
+    m1 = conn.build_meta(step(new=[(req, range(8), 384)], scheduled={"a": 616}))
+    assert m1.loads and m1.saves == []
+    # step N+1, scheduled while step N runs: vLLM assumes step N computed everything
+    m2 = conn.build_meta(step(cached=[("a", None, 1000)], scheduled={"a": 1}))
+    assert m2.saves == []
+    # step N+2: step N's output was processed, no roll-back: the blocks are saved now
+    m3 = conn.build_meta(step(cached=[("a", None, 1001)], scheduled={"a": 1}))
+    assert [s.block_ids for s in m3.saves] == [[3, 4, 5, 6]]
+
+
+def test_async_scheduling_saves_from_the_roll_back_point_after_a_failed_load():
+    req = request("b", 1000)
+    store = Store(req.block_hashes[:3])
+    conn = SchedulerConnector(block_size=BS, lookup=store, loads=True, saves=True, steps_in_flight=2)
+    admit(conn, req, range(8))
+    conn.build_meta(step(new=[(req, range(8), 384)], scheduled={"b": 616}))
+    assert conn.build_meta(step(cached=[("b", None, 1000)], scheduled={"b": 1})).saves == []
+    # step N's output reported block 1 failed: vLLM rolled the request back to block 1
+    m3 = conn.build_meta(step(cached=[("b", None, 128)], scheduled={"b": 872}))
+    assert [s.block_ids for s in m3.saves] == [[1, 2, 3, 4, 5, 6]]
+
+
+def test_a_waiting_request_asked_about_every_step_is_looked_up_once(monkeypatch):
+    from pegaflow.connector import scheduler
+
+    clock = [100.0]
+    monkeypatch.setattr(scheduler.time, "monotonic", lambda: clock[0])
+    req = request("w", 1000)
+    store = Store(req.block_hashes[:3])
+    conn = SchedulerConnector(block_size=BS, lookup=store, loads=True, saves=True)
+    for _ in range(5):  # vLLM cannot admit it yet (no free blocks) and asks again each step
+        assert conn.get_num_new_matched_tokens(req, 0) == (3 * BS, False)
+        clock[0] += 0.1
+    assert store.calls == 1 and conn.lookups_reused == 4
+    clock[0] += scheduler.LOOKUP_REUSE_S  # later, the store may hold more: ask again
+    store.hashes = set(req.block_hashes)
+    assert conn.get_num_new_matched_tokens(req, 0) == (7 * BS, False)
+    assert store.calls == 2
+    conn.update_state_after_alloc(req, blocks(range(8)), 7 * BS)
+    # a miss (server down: None) is never reused
+    req2 = request("x", 1000, seed=1)
+    store.available = False
+    conn.get_num_new_matched_tokens(req2, 0)
+    store.available = True
+    conn.get_num_new_matched_tokens(req2, 0)
+    assert store.calls == 4
+
+
+def test_steps_in_flight_must_be_positive():
+    with pytest.raises(ValueError):
+        SchedulerConnector(block_size=BS, lookup=None, loads=True, saves=True, steps_in_flight=0)
+
+
 def test_a_request_finishing_in_its_loading_step_still_saves_its_new_blocks():
     req = request("o", 1000)
     store = Store(req.block_hashes[:2])
