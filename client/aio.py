@@ -19,7 +19,6 @@ import grpc.aio
 
 from pegaflow.client import errors
 from pegaflow.client import rpc_codec as codec
-from pegaflow.client.backoff import Backoff
 from pegaflow.client.base import ClientBase, Connection, HeartbeatWatch, log
 from pegaflow.client.pool_map import PoolMapping
 from pegaflow.client.types import InstanceHandle, KvLayout, Location, PrefixHit, QueryPurpose, SaveBatch
@@ -28,15 +27,7 @@ from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
 
 
 class AsyncPegaClient(ClientBase):
-    def __init__(
-        self,
-        address: str = "127.0.0.1:50055",
-        timeout_s: float = 2.0,
-        name: str = "pegaflow-client",
-        map_pool: bool = True,
-        backoff: Backoff | None = None,
-    ):
-        super().__init__(address, timeout_s, name, map_pool, backoff)
+    def _init_transport(self) -> None:
         self._establish_lock: asyncio.Lock | None = None
         self._wake: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
@@ -69,8 +60,7 @@ class AsyncPegaClient(ClientBase):
                 pass
         if self._sending:  # give pending releases / aborts their chance, within the timeout
             await asyncio.wait(list(self._sending), timeout=self._timeout(timeout_s))
-        with self._lock:
-            conn, self._conn = self._conn, None
+        conn = self._take_connection()
         if conn is not None:
             try:
                 await conn.stub.CloseSession(
@@ -94,26 +84,20 @@ class AsyncPegaClient(ClientBase):
         self, layout: KvLayout, name: str = "", timeout_s: float | None = None
     ) -> InstanceHandle:
         """As PegaClient.register_instance: an unregistered handle if the server is unreachable."""
-        handle = InstanceHandle(layout, name or self.name)
-        with self._lock:
-            self._instances.append(handle)
-            conn = self._conn
+        handle, conn = self._track_instance(layout, name)
         if conn is None:
             return handle
         try:
             await self._register(conn, handle, time.monotonic() + self._timeout(timeout_s))
         except errors.InvalidArgument:
-            with self._lock:
-                self._instances.remove(handle)
+            self._untrack_instance(handle)
             raise
         except errors.ServerUnavailable as exc:
             await self._lost(conn, exc)
         return handle
 
     async def unregister_instance(self, handle: InstanceHandle, timeout_s: float | None = None) -> None:
-        with self._lock:
-            if handle in self._instances:
-                self._instances.remove(handle)
+        self._untrack_instance(handle)
         if handle.registered:
             instance_id = handle.instance_id
             handle._clear()

@@ -22,7 +22,7 @@ from pegaflow.client import errors
 from pegaflow.client import rpc_codec as codec
 from pegaflow.client.backoff import Backoff
 from pegaflow.client.pool_map import PoolMapping
-from pegaflow.client.types import InstanceHandle, QueryPurpose, ServerLimits
+from pegaflow.client.types import InstanceHandle, KvLayout, QueryPurpose, ServerLimits
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
 
@@ -91,6 +91,11 @@ class ClientBase:
         self._retired: list[PoolMapping] = []  # old pools whose views are still alive
         self._closed = False
         self.sessions_opened = 0  # more than 1: the client has reconnected
+        self._init_transport()
+
+    def _init_transport(self) -> None:
+        """The subclass's own state (threads and events, or tasks): set up once, by ``__init__``."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------- state
 
@@ -157,6 +162,21 @@ class ClientBase:
 
     def _hashes(self, hashes: Sequence[bytes]) -> list[bytes]:
         return codec.check_hashes(hashes, self.limits)
+
+    # ------------------------------------------------------------- instances
+
+    def _track_instance(self, layout: KvLayout, name: str) -> tuple[InstanceHandle, Connection | None]:
+        """A new handle, kept for registering again after every reconnect, and the session to register
+        it in now (None: not connected; the background reconnect registers it)."""
+        handle = InstanceHandle(layout, name or self.name)
+        with self._lock:
+            self._instances.append(handle)
+            return handle, self._conn
+
+    def _untrack_instance(self, handle: InstanceHandle) -> None:
+        with self._lock:
+            if handle in self._instances:
+                self._instances.remove(handle)
 
     # ------------------------------------------------------------- requests
 
@@ -232,6 +252,12 @@ class ClientBase:
             exc,
         )
         return True
+
+    def _take_connection(self) -> Connection | None:
+        """Detaches the current session for ``close`` (which ends it on the server)."""
+        with self._lock:
+            conn, self._conn = self._conn, None
+        return conn
 
     def _release_pool(self, conn: Connection) -> None:
         """Ends the session's pool connection; a pool whose views are still alive is unmapped later."""

@@ -24,7 +24,6 @@ import grpc
 
 from pegaflow.client import doorbell, errors
 from pegaflow.client import rpc_codec as codec
-from pegaflow.client.backoff import Backoff
 from pegaflow.client.base import ClientBase, Connection, HeartbeatWatch, log
 from pegaflow.client.device import DeviceHandle, DeviceSave, registration_request
 from pegaflow.client.pool_map import PoolMapping
@@ -34,15 +33,7 @@ from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
 
 
 class PegaClient(ClientBase):
-    def __init__(
-        self,
-        address: str = "127.0.0.1:50055",
-        timeout_s: float = 2.0,
-        name: str = "pegaflow-client",
-        map_pool: bool = True,
-        backoff: Backoff | None = None,
-    ):
-        super().__init__(address, timeout_s, name, map_pool, backoff)
+    def _init_transport(self) -> None:
         self._establish_lock = threading.Lock()  # one (re)connect at a time
         self._devices: list[DeviceHandle] = []  # GPU registrations, re-registered after a reconnect
         self._wake = threading.Event()
@@ -78,8 +69,7 @@ class PegaClient(ClientBase):
             sending = list(self._sending)
         if sending:  # give pending releases / aborts their chance, within the timeout
             concurrent.futures.wait(sending, timeout=self._timeout(timeout_s))
-        with self._lock:
-            conn, self._conn = self._conn, None
+        conn = self._take_connection()
         if conn is not None:
             try:
                 conn.stub.CloseSession(
@@ -118,26 +108,20 @@ class PegaClient(ClientBase):
         is False; calls with it raise ServerUnavailable) and the background
         reconnect registers it.
         """
-        handle = InstanceHandle(layout, name or self.name)
-        with self._lock:
-            self._instances.append(handle)
-            conn = self._conn
+        handle, conn = self._track_instance(layout, name)
         if conn is None:
             return handle
         try:
             self._register(conn, handle, time.monotonic() + self._timeout(timeout_s))
         except errors.InvalidArgument:
-            with self._lock:
-                self._instances.remove(handle)
+            self._untrack_instance(handle)
             raise
         except errors.ServerUnavailable as exc:
             self._lost(conn, exc)
         return handle
 
     def unregister_instance(self, handle: InstanceHandle, timeout_s: float | None = None) -> None:
-        with self._lock:
-            if handle in self._instances:
-                self._instances.remove(handle)
+        self._untrack_instance(handle)
         if handle.registered:
             instance_id = handle.instance_id
             handle._clear()

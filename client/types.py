@@ -7,6 +7,9 @@ import enum
 import threading
 from typing import NamedTuple
 
+# One definition with the server (it adds validation): the client never imports server code.
+from pegaflow.common.kv_layout import KvLayout
+
 
 class AllocStatus(enum.IntEnum):
     """Per-block answer of ``allocate`` (same numbers as the proto enum)."""
@@ -30,27 +33,6 @@ class QueryPurpose(enum.IntEnum):
 
     LOOKUP = 0  # a block request: counted (hits, misses, hit rate, HLL ceiling, eviction frequency)
     LOAD = 1  # loading blocks an earlier LOOKUP counted (a worker's lease after its scheduler's lookup)
-
-
-@dataclasses.dataclass(frozen=True)
-class KvLayout:
-    """Everything that makes two engines' KV bytes interchangeable (see proto KvLayout).
-
-    ``block_bytes`` is the size of one block (all layers, this rank). With
-    ``mla`` the TP rank is not part of the namespace: all ranks share one copy.
-    """
-
-    model_id: str
-    block_bytes: int
-    model_fingerprint: str = ""
-    dtype: str = ""
-    layout: str = ""
-    block_tokens: int = 0
-    num_layers: int = 0
-    tp_size: int = 1
-    tp_rank: int = 0
-    mla: bool = False
-    extra: str = ""
 
 
 # NamedTuples, not dataclasses: a batch has hundreds of these and a tuple is ~4x cheaper to build.

@@ -25,6 +25,7 @@ import grpc
 
 from pegaflow.metaserver import errors
 from pegaflow.metaserver import validation as check
+from pegaflow.metaserver.types import NamespaceDelta, NodeHit, NodeStats, PublishResult
 from pegaflow.proto import metaserver_pb2 as pb
 from pegaflow.proto import metaserver_pb2_grpc as pb_grpc
 
@@ -39,37 +40,10 @@ class Registration:
 
 
 @dataclasses.dataclass(frozen=True)
-class NamespaceDelta:
-    namespace: str
-    added: Sequence[bytes] = ()
-    removed: Sequence[bytes] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class PublishResult:
-    added: int
-    removed: int
-    evicted: int
-
-
-@dataclasses.dataclass(frozen=True)
-class NodeHit:
-    node_id: str
-    address: str
-    num_blocks: int
-
-
-@dataclasses.dataclass(frozen=True)
-class NodeInfo:
-    node_id: str
-    address: str
-    entries: int
-    lease_remaining_s: float
-
-
-@dataclasses.dataclass(frozen=True)
 class Stats:
-    nodes: list[NodeInfo]
+    """What GetStats reports: the index's IndexStats less its publish counters and sweep state."""
+
+    nodes: list[NodeStats]
     entries: int
     max_entries: int
     evicted_entries: int
@@ -240,7 +214,7 @@ class MetaClient:
         reply = self._call(self._stub.GetStats, pb.GetStatsRequest(), timeout_s)
         return Stats(
             nodes=[
-                NodeInfo(n.node_id, n.address, n.entries, n.lease_remaining_ms / 1000.0) for n in reply.nodes
+                NodeStats(n.node_id, n.address, n.entries, n.lease_remaining_ms / 1000.0) for n in reply.nodes
             ],
             entries=reply.entries,
             max_entries=reply.max_entries,

@@ -30,6 +30,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
+from pegaflow.metaserver.types import NamespaceDelta, NodeHit, NodeStats, PublishResult
+
 
 class LeaseNotFound(KeyError):
     """The lease is unknown or expired: the node must register again (and republish)."""
@@ -52,35 +54,6 @@ class Node:
     ttl_s: float
     expires_at: float
     entries: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class NamespaceDelta:
-    namespace: str
-    added: Sequence[bytes] = ()
-    removed: Sequence[bytes] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class PublishResult:
-    added: int
-    removed: int
-    evicted: int
-
-
-@dataclasses.dataclass(frozen=True)
-class NodeHit:
-    node_id: str
-    address: str
-    num_blocks: int
-
-
-@dataclasses.dataclass(frozen=True)
-class NodeStats:
-    node_id: str
-    address: str
-    entries: int
-    lease_remaining_s: float
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,22 +13,19 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import sys
-import threading
 
+from pegaflow.common.cli import (
+    StopSignals,
+    add_log_level_flag,
+    checked_by,
+    configure_logging,
+    positive_seconds,
+)
 from pegaflow.metaserver.config import MetaServerConfig, parse_host_port
 from pegaflow.metaserver.runtime import start_metaserver
 
 log = logging.getLogger("pegaflow.metaserver")
-
-
-def _addr(text: str) -> str:
-    try:
-        parse_host_port(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
 
 
 def _positive_int(text: str) -> int:
@@ -38,16 +35,6 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
-    return value
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number of seconds {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be greater than zero, got {text!r}")
     return value
 
 
@@ -62,13 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--addr",
-        type=_addr,
+        type=checked_by(parse_host_port),
         default=defaults.addr,
         help="gRPC listen address HOST:PORT (port 0 picks a free one; default %(default)s)",
     )
     p.add_argument(
         "--http-addr",
-        type=_addr,
+        type=checked_by(parse_host_port),
         default=defaults.http_addr,
         help="HTTP address for /metrics (Prometheus) and /health (default %(default)s)",
     )
@@ -90,19 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--lease-ttl",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=defaults.lease_ttl_s,
         metavar="SECONDS",
         help="lease granted to a node that asks for none: without a heartbeat for this long a node and "
         f"its entries expire. Nodes may ask for {defaults.min_lease_ttl_s:g}..{defaults.max_lease_ttl_s:g} s "
         "(default %(default)s)",
     )
-    p.add_argument(
-        "--log-level",
-        default="info",
-        choices=["debug", "info", "warning", "error"],
-        help="log verbosity on stderr (default %(default)s)",
-    )
+    add_log_level_flag(p)
     return p
 
 
@@ -122,11 +104,7 @@ def config_from_args(args: argparse.Namespace) -> MetaServerConfig:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(args.log_level)
     config = config_from_args(args)
     try:
         running = start_metaserver(config)
@@ -134,14 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("cannot start: %s", exc)
         return 1
 
-    stop = threading.Event()
-
-    def on_signal(signum, _frame):
-        log.info("signal %d: shutting down", signum)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = StopSignals(log)
     log.info(
         "metaserver ready: grpc %s, http %s, max %d entries, lease ttl %.1fs",
         running.address,
@@ -154,8 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     try:
-        while not stop.wait(1.0):
-            pass
+        stop.wait()
     finally:
         running.stop()
     log.info("metaserver stopped")

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 
-from pegaflow.metaserver.config import MetaServerConfig
-from pegaflow.metaserver.http import MetricsHttpServer
+from pegaflow.common.grpc_server import listen, mark_serving, new_grpc_server
+from pegaflow.common.metrics_http import MetricsHttpServer
+from pegaflow.metaserver.config import MetaServerConfig, parse_host_port
 from pegaflow.metaserver.index import GlobalIndex
 from pegaflow.metaserver.metrics import MetaServerMetrics
 from pegaflow.metaserver.service import MetaServerServicer
@@ -86,36 +86,30 @@ def start_metaserver(config: MetaServerConfig) -> RunningMetaServer:
     config.validate()
     running = RunningMetaServer(config)
     try:
-        server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix="metaserver-grpc"),
-            maximum_concurrent_rpcs=config.max_concurrent_rpcs,
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.so_reuseport", 0),
-            ],
+        server = new_grpc_server(
+            config.grpc_workers, "metaserver-grpc", MAX_MESSAGE_BYTES, config.max_concurrent_rpcs
         )
         metaserver_pb2_grpc.add_MetaServerServicer_to_server(
             MetaServerServicer(running.index, config, running.metrics), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(running.health, server)
-        try:
-            port = server.add_insecure_port(config.addr)
-        except RuntimeError as exc:  # grpc raises rather than returning 0 on a failed bind
-            raise OSError(f"cannot listen on {config.addr}: {exc}") from None
-        if port == 0:
-            raise OSError(f"cannot listen on {config.addr}")
+        host, _ = parse_host_port(config.addr)
+        running.address = listen(server, config.addr, host)
         running.grpc_server = server
-        host = config.addr.rpartition(":")[0]
-        running.address = f"{host}:{port}"
         server.start()
         running._maintenance.start()
         if config.http_addr is not None:
-            running.http = MetricsHttpServer(config.http_addr, running.metrics.registry, running.health_check)
+            http_host, http_port = parse_host_port(config.http_addr)
+            running.http = MetricsHttpServer(
+                http_host,
+                http_port,
+                running.metrics.registry,
+                running.health_check,
+                thread_name="metaserver-http",
+            )
             running.http.start()
             running.http_address = running.http.address
-        for service in ("", SERVICE_NAME):
-            running.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        mark_serving(running.health, SERVICE_NAME)
     except BaseException:
         running.stop(grace_s=0)
         raise

@@ -1,64 +1,47 @@
 """The MetaServer gRPC service: validates, applies the deadline, calls the index, maps errors to codes.
 
-Every handler runs under ``_handler``: the caller's deadline (or the default one
-when a call arrives without) becomes an absolute deadline the index honours
-while waiting for its lock; bad input becomes INVALID_ARGUMENT with a message
-naming the field; anything unexpected is logged and answered INTERNAL, so no
-request can take the metaserver down.
+Every handler runs under ``_handler`` (pegaflow.common.rpc_handler): the
+caller's deadline (or the default one when a call arrives without) becomes an
+absolute deadline the index honours while waiting for its lock; bad input
+becomes INVALID_ARGUMENT with a message naming the field; anything unexpected
+is logged and answered INTERNAL, so no request can take the metaserver down.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import time
 
 import grpc
 
+from pegaflow.common.rpc_handler import rpc_handler
 from pegaflow.metaserver import validation as check
 from pegaflow.metaserver.config import MetaServerConfig
-from pegaflow.metaserver.index import DeadlinePassed, GlobalIndex, LeaseNotFound, NamespaceDelta, TooManyNodes
+from pegaflow.metaserver.index import DeadlinePassed, GlobalIndex, LeaseNotFound, TooManyNodes
 from pegaflow.metaserver.metrics import MetaServerMetrics
+from pegaflow.metaserver.types import NamespaceDelta
 from pegaflow.proto import metaserver_pb2 as pb
 from pegaflow.proto import metaserver_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
 
-def _handler(fn):
-    method = fn.__name__
+def _status_of(exc: Exception, context: grpc.ServicerContext) -> tuple[grpc.StatusCode, str] | None:
+    """The status code of a refusal the service means; None for anything else (a bug: INTERNAL)."""
+    if isinstance(exc, check.InvalidRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, LeaseNotFound):
+        return (
+            grpc.StatusCode.NOT_FOUND,
+            "unknown or expired lease: register the node again and republish its blocks",
+        )
+    if isinstance(exc, TooManyNodes):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, DeadlinePassed):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
+    return None
 
-    @functools.wraps(fn)
-    def wrapper(self: MetaServerServicer, request, context: grpc.ServicerContext):
-        start = time.perf_counter()
-        code = grpc.StatusCode.OK
-        try:
-            remaining = context.time_remaining()
-            if remaining is None:
-                remaining = self._config.default_rpc_deadline_s
-            if remaining <= 0:
-                raise DeadlinePassed("deadline already passed on arrival")
-            return fn(self, request, time.monotonic() + remaining)
-        except check.InvalidRequest as exc:
-            code = grpc.StatusCode.INVALID_ARGUMENT
-            context.abort(code, str(exc))
-        except LeaseNotFound:
-            code = grpc.StatusCode.NOT_FOUND
-            context.abort(code, "unknown or expired lease: register the node again and republish its blocks")
-        except TooManyNodes as exc:
-            code = grpc.StatusCode.RESOURCE_EXHAUSTED
-            context.abort(code, str(exc))
-        except DeadlinePassed as exc:
-            code = grpc.StatusCode.DEADLINE_EXCEEDED
-            context.abort(code, str(exc))
-        except Exception:
-            code = grpc.StatusCode.INTERNAL
-            log.exception("metaserver: %s failed", method)
-            context.abort(code, f"internal error in {method}")
-        finally:
-            self._metrics.observe_rpc(method, code.name, time.perf_counter() - start)
 
-    return wrapper
+_handler = rpc_handler(_status_of, DeadlinePassed)
 
 
 class MetaServerServicer(pb_grpc.MetaServerServicer):
@@ -73,7 +56,9 @@ class MetaServerServicer(pb_grpc.MetaServerServicer):
         return ttl_ms, max(1, ttl_ms // 3)
 
     @_handler
-    def RegisterNode(self, request: pb.RegisterNodeRequest, deadline: float) -> pb.RegisterNodeResponse:
+    def RegisterNode(
+        self, request: pb.RegisterNodeRequest, context, deadline: float
+    ) -> pb.RegisterNodeResponse:
         node_id = check.node_id(request.node_id)
         address = check.address(request.address)
         cfg = self._config
@@ -88,17 +73,21 @@ class MetaServerServicer(pb_grpc.MetaServerServicer):
         )
 
     @_handler
-    def Heartbeat(self, request: pb.HeartbeatRequest, deadline: float) -> pb.HeartbeatResponse:
+    def Heartbeat(self, request: pb.HeartbeatRequest, context, deadline: float) -> pb.HeartbeatResponse:
         node = self._index.heartbeat(check.lease_id(request.lease_id), deadline=deadline)
         return pb.HeartbeatResponse(lease_ttl_ms=int(node.ttl_s * 1000), entries=node.entries)
 
     @_handler
-    def UnregisterNode(self, request: pb.UnregisterNodeRequest, deadline: float) -> pb.UnregisterNodeResponse:
+    def UnregisterNode(
+        self, request: pb.UnregisterNodeRequest, context, deadline: float
+    ) -> pb.UnregisterNodeResponse:
         self._index.unregister(check.lease_id(request.lease_id), deadline=deadline)
         return pb.UnregisterNodeResponse()
 
     @_handler
-    def PublishBlocks(self, request: pb.PublishBlocksRequest, deadline: float) -> pb.PublishBlocksResponse:
+    def PublishBlocks(
+        self, request: pb.PublishBlocksRequest, context, deadline: float
+    ) -> pb.PublishBlocksResponse:
         lease_id = check.lease_id(request.lease_id)
         if len(request.deltas) > check.MAX_DELTAS_PER_CALL:
             raise check.InvalidRequest(
@@ -118,7 +107,7 @@ class MetaServerServicer(pb_grpc.MetaServerServicer):
         return pb.PublishBlocksResponse(added=result.added, removed=result.removed, evicted=result.evicted)
 
     @_handler
-    def Locate(self, request: pb.LocateRequest, deadline: float) -> pb.LocateResponse:
+    def Locate(self, request: pb.LocateRequest, context, deadline: float) -> pb.LocateResponse:
         namespace = check.namespace(request.namespace)
         hashes = check.block_hashes(request.block_hashes, "block_hashes")
         if not hashes:
@@ -131,7 +120,7 @@ class MetaServerServicer(pb_grpc.MetaServerServicer):
         )
 
     @_handler
-    def GetStats(self, request: pb.GetStatsRequest, deadline: float) -> pb.GetStatsResponse:
+    def GetStats(self, request: pb.GetStatsRequest, context, deadline: float) -> pb.GetStatsResponse:
         stats = self._index.stats(deadline=deadline)
         return pb.GetStatsResponse(
             nodes=[

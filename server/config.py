@@ -102,11 +102,6 @@ def parse_host_port(text: str) -> tuple[str, int]:
     return m.group(1), port
 
 
-def format_host_port(host: str, port: int) -> str:
-    """The inverse of parse_host_port (IPv6 hosts in brackets)."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
     """Everything a running server needs. Defaults are the production defaults."""

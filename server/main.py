@@ -13,46 +13,20 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import sys
-import threading
 
+from pegaflow.common.cli import (
+    StopSignals,
+    add_log_level_flag,
+    checked_by,
+    configure_logging,
+    parsed_by,
+    positive_seconds,
+)
 from pegaflow.server.config import ServerConfig, parse_host_port, parse_size, parse_windows
 from pegaflow.server.errors import PoolCapacityError
 
 log = logging.getLogger("pegaflow.server")
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _windows(text: str) -> dict[str, float]:
-    try:
-        return parse_windows(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _addr(text: str) -> str:
-    try:
-        parse_host_port(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number of seconds {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be greater than zero, got {text!r}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,20 +37,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--pool-size",
-        type=_size,
+        type=parsed_by(parse_size),
         required=True,
         help="size of the shared KV pool, e.g. 512mb, 30gb, 1tb (binary units). Allocated and "
         "pre-faulted at start; refused if this machine cannot back it",
     )
     p.add_argument(
         "--addr",
-        type=_addr,
+        type=checked_by(parse_host_port),
         default="127.0.0.1:50055",
         help="gRPC listen address HOST:PORT (port 0 picks a free one; default %(default)s)",
     )
     p.add_argument(
         "--http-addr",
-        type=_addr,
+        type=checked_by(parse_host_port),
         default="127.0.0.1:9091",
         help="HTTP address for /metrics (Prometheus) and /health (default %(default)s)",
     )
@@ -100,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--metric-hll-windows",
-        type=_windows,
+        type=parsed_by(parse_windows),
         default=parse_windows("15m,1h,24h"),
         metavar="WINDOWS",
         help="comma-separated windows for the hit-rate metrics and the HyperLogLog hit-rate ceiling "
@@ -114,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--session-ttl",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=5.0,
         metavar="SECONDS",
         help="a client that sends no request or heartbeat for this long loses its leases and "
@@ -122,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--write-timeout",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=60.0,
         metavar="SECONDS",
         help="granted blocks not sealed within this many seconds are freed (default %(default)s)",
@@ -135,12 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         "tensors by CUDA IPC and the server copies with batched kernels (direct), through device "
         "staging and the copy engine (staged), or picks per request (auto, default); off: never use CUDA",
     )
-    p.add_argument(
-        "--log-level",
-        default="info",
-        choices=["debug", "info", "warning", "error"],
-        help="log verbosity on stderr (default %(default)s)",
-    )
+    add_log_level_flag(p)
     return p
 
 
@@ -167,11 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))  # exits 2 with the usage line, like any other bad flag
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(args.log_level)
     from pegaflow.server.runtime import start_server  # after logging is set up: start-up logs matter
 
     try:
@@ -185,14 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pegaflow-server: error: {exc}", file=sys.stderr)
         return 1
 
-    stop = threading.Event()
-
-    def on_signal(signum, _frame):
-        log.info("received %s, shutting down", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = StopSignals(log)
     print(
         json.dumps(
             {
@@ -207,8 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         flush=True,
     )
-    while not stop.wait(1.0):
-        pass
+    stop.wait()
     server.stop()
     return 0
 

@@ -20,15 +20,15 @@ import logging
 import os
 import tempfile
 import threading
-from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 
+from pegaflow.common.grpc_server import listen, mark_serving, new_grpc_server
+from pegaflow.common.metrics_http import MetricsHttpServer
 from pegaflow.proto import pegaflow_pb2, pegaflow_pb2_grpc
-from pegaflow.server.config import ServerConfig, format_host_port, parse_host_port
+from pegaflow.server.config import ServerConfig, parse_host_port
 from pegaflow.server.engine import KVEngine
-from pegaflow.server.metrics.http import MetricsHttpServer
 from pegaflow.server.metrics.registry import ServerMetrics
 from pegaflow.server.pool.fd_broker import FdBroker
 from pegaflow.server.rpc.servicer import EngineServicer
@@ -133,38 +133,29 @@ def start_server(config: ServerConfig) -> RunningServer:
         server.broker.start()
         engine.add_session_listener(server.broker.forget_session)
 
-        server.grpc_server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=config.rpc_workers, thread_name_prefix="pegaflow-rpc"),
-            options=[
-                # grpc enables SO_REUSEPORT by default: a second server on the same port would
-                # silently share it instead of failing to start.
-                ("grpc.so_reuseport", 0),
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ],
-        )
+        server.grpc_server = new_grpc_server(config.rpc_workers, "pegaflow-rpc", MAX_MESSAGE_BYTES)
         pegaflow_pb2_grpc.add_EngineServicer_to_server(
             EngineServicer(engine, server.fd_socket_path, server.metrics, gpu=server.gpu), server.grpc_server
         )
         server.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(server.health, server.grpc_server)
         host, _ = parse_host_port(config.addr)
-        try:
-            port = server.grpc_server.add_insecure_port(config.addr)
-        except RuntimeError as exc:
-            raise OSError(f"cannot listen for gRPC on {config.addr}: {exc}") from exc
-        if port == 0:
-            raise OSError(f"cannot listen for gRPC on {config.addr}")
-        server.address = format_host_port(host, port)
+        server.address = listen(server.grpc_server, config.addr, host)
         server.grpc_server.start()
 
         if config.http_addr is not None:
-            server.http = MetricsHttpServer(config.http_addr, server.metrics.registry, server.health_check)
+            http_host, http_port = parse_host_port(config.http_addr)
+            server.http = MetricsHttpServer(
+                http_host,
+                http_port,
+                server.metrics.registry,
+                server.health_check,
+                thread_name="pegaflow-http",
+            )
             server.http.start()
             server.http_address = server.http.address
 
-        for service in ("", SERVICE_NAME):
-            server.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        mark_serving(server.health, SERVICE_NAME)
     except BaseException:
         server.stop(grace_s=0)
         raise

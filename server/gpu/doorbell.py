@@ -34,26 +34,19 @@ from pegaflow.client.doorbell import (
     send_frame,
 )
 from pegaflow.server.engine import QueryPurpose
-from pegaflow.server.errors import (
-    Closed,
-    DeadlineExceeded,
-    EngineError,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
-)
+from pegaflow.server.errors import EngineError, InvalidArgument
 
 log = logging.getLogger(__name__)
 
-# The engine's error kinds on the wire (the client maps the codes back onto its own exceptions).
-ERROR_CODES: dict[type[EngineError], int] = {
-    InvalidArgument: CODE_INVALID_ARGUMENT,
-    NotFound: CODE_NOT_FOUND,
-    FailedPrecondition: CODE_FAILED_PRECONDITION,
-    DeadlineExceeded: CODE_DEADLINE_EXCEEDED,
-    Closed: CODE_UNAVAILABLE,
-    ResourceExhausted: CODE_RESOURCE_EXHAUSTED,
+# An engine error's status (EngineError.status, named as in gRPC) as the doorbell's code; the
+# client maps the codes back onto its own exceptions. A status missing here is answered INTERNAL.
+WIRE_CODES: dict[str, int] = {
+    "INVALID_ARGUMENT": CODE_INVALID_ARGUMENT,
+    "NOT_FOUND": CODE_NOT_FOUND,
+    "FAILED_PRECONDITION": CODE_FAILED_PRECONDITION,
+    "DEADLINE_EXCEEDED": CODE_DEADLINE_EXCEEDED,
+    "UNAVAILABLE": CODE_UNAVAILABLE,
+    "RESOURCE_EXHAUSTED": CODE_RESOURCE_EXHAUSTED,
 }
 
 
@@ -132,7 +125,7 @@ class DoorbellServer:
             out = self._gpu.load(session_id, reg_id, hashes, block_ids, deadline, QueryPurpose(purpose))
             return encode_response(CODE_OK, out.num_hits)
         except EngineError as exc:
-            code = next((c for cls, c in ERROR_CODES.items() if isinstance(exc, cls)), CODE_INTERNAL)
+            code = WIRE_CODES.get(exc.status, CODE_INTERNAL)
             return encode_response(code, message=str(exc))
         except Exception as exc:
             log.exception("gpu doorbell: request failed")

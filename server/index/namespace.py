@@ -12,26 +12,14 @@ import dataclasses
 import hashlib
 import json
 
+from pegaflow.common import kv_layout as common_kv_layout
 from pegaflow.server.errors import InvalidArgument
 
 MAX_TEXT_FIELD = 512
 
 
-@dataclasses.dataclass(frozen=True)
-class KvLayout:
-    """The server's view of a KvLayout message (same fields as proto/pegaflow.proto)."""
-
-    model_id: str
-    block_bytes: int
-    model_fingerprint: str = ""
-    dtype: str = ""
-    layout: str = ""
-    block_tokens: int = 0
-    num_layers: int = 0
-    tp_size: int = 1
-    tp_rank: int = 0
-    mla: bool = False
-    extra: str = ""
+class KvLayout(common_kv_layout.KvLayout):
+    """The server's view of a KvLayout message: the shared fields, plus conversion and validation."""
 
     @classmethod
     def from_fields(cls, src) -> KvLayout:

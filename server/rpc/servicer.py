@@ -1,35 +1,28 @@
 """The gRPC Engine service: validates, applies the deadline, calls the KVEngine, maps errors to codes.
 
-Every handler runs under ``_handler``: the caller's deadline (or the server's
-default when a call arrives without one) is turned into an absolute engine
-deadline; engine errors become their status codes (NOT_FOUND with trailing
-metadata naming what was unknown); anything unexpected is logged and answered
-INTERNAL, so no request can take the server down. A call whose deadline passes
-while it is being served is undone (a lease released, a save aborted) and
-answered DEADLINE_EXCEEDED, so a client that gave up leaks nothing.
+Every handler runs under ``_handler`` (pegaflow.common.rpc_handler): the
+caller's deadline (or the server's default when a call arrives without one) is
+turned into an absolute engine deadline; engine errors become their status
+codes (NOT_FOUND with trailing metadata naming what was unknown); anything
+unexpected is logged and answered INTERNAL, so no request can take the server
+down. A call whose deadline passes while it is being served is undone (a lease
+released, a save aborted) and answered DEADLINE_EXCEEDED, so a client that gave
+up leaks nothing.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 
 import grpc
 
+from pegaflow.common.rpc_handler import rpc_handler
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
 from pegaflow.server.config import ServerConfig
 from pegaflow.server.engine import KVEngine
-from pegaflow.server.errors import (
-    Closed,
-    DeadlineExceeded,
-    EngineError,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
-)
+from pegaflow.server.errors import DeadlineExceeded, EngineError, InvalidArgument, NotFound
 from pegaflow.server.gpu import rpc as gpu_rpc
 from pegaflow.server.index.namespace import KvLayout
 from pegaflow.server.metrics.registry import ServerMetrics
@@ -39,49 +32,17 @@ log = logging.getLogger(__name__)
 
 NOT_FOUND_METADATA_KEY = "pegaflow-not-found"
 
-_CODES: list[tuple[type[EngineError], grpc.StatusCode]] = [
-    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
-    (NotFound, grpc.StatusCode.NOT_FOUND),
-    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
-    (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
-    (Closed, grpc.StatusCode.UNAVAILABLE),
-]
+
+def _status_of(exc: Exception, context: grpc.ServicerContext) -> tuple[grpc.StatusCode, str] | None:
+    """An engine error's status code (its ``status``); None for anything else (a bug: INTERNAL)."""
+    if not isinstance(exc, EngineError):
+        return None
+    if isinstance(exc, NotFound):
+        context.set_trailing_metadata(((NOT_FOUND_METADATA_KEY, exc.kind),))
+    return grpc.StatusCode[exc.status], str(exc)
 
 
-def _handler(fn):
-    method = fn.__name__
-
-    @functools.wraps(fn)
-    def wrapper(self: EngineServicer, request, context: grpc.ServicerContext):
-        start = time.perf_counter()
-        code = grpc.StatusCode.OK
-        try:
-            remaining = context.time_remaining()
-            if remaining is None:
-                remaining = self._config.default_rpc_deadline_s
-            if remaining <= 0:
-                raise DeadlineExceeded("deadline already passed on arrival")
-            return fn(self, request, context, time.monotonic() + remaining)
-        except EngineError as exc:
-            code = grpc.StatusCode.UNKNOWN
-            for cls, status in _CODES:
-                if isinstance(exc, cls):
-                    code = status
-                    break
-            if isinstance(exc, NotFound):
-                context.set_trailing_metadata(((NOT_FOUND_METADATA_KEY, exc.kind),))
-            context.abort(code, str(exc))
-        except Exception as exc:
-            # (context.abort() above raises too, but from inside an except clause: it is not caught here.)
-            code = grpc.StatusCode.INTERNAL
-            log.exception("rpc %s failed", method)
-            context.abort(code, f"internal error in {method}: {type(exc).__name__}")
-        finally:
-            if self._metrics is not None:
-                self._metrics.observe_rpc(method, code.name, time.perf_counter() - start)
-
-    return wrapper
+_handler = rpc_handler(_status_of, DeadlineExceeded)
 
 
 def _locations(offsets: list[int], block_bytes: int) -> pb.BlockLocations:

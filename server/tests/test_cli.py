@@ -128,7 +128,8 @@ def test_cli_refuses_a_port_in_use_instead_of_sharing_it(tmp_path):
 
 
 def test_host_port_parsing_round_trips_ipv4_and_ipv6():
-    from pegaflow.server.config import format_host_port, parse_host_port
+    from pegaflow.common.addresses import format_host_port
+    from pegaflow.server.config import parse_host_port
 
     for text in ("127.0.0.1:50055", "[::1]:0", "0.0.0.0:9091", "node-a:50055"):
         assert format_host_port(*parse_host_port(text)) == text

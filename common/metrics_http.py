@@ -16,7 +16,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
-from pegaflow.server.config import format_host_port, parse_host_port
+from pegaflow.common.addresses import format_host_port
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +36,20 @@ class _QuietHandler(WSGIRequestHandler):
 
 
 class MetricsHttpServer:
-    """Serves ``registry`` on /metrics and ``health()`` (-> (ok, detail dict)) on /health."""
+    """Serves ``registry`` on /metrics and ``health()`` (-> (ok, detail dict)) on /health.
 
-    def __init__(self, addr: str, registry: CollectorRegistry, health: Callable[[], tuple[bool, dict]]):
-        host, port = parse_host_port(addr)
+    ``host`` and ``port`` come parsed (each daemon parses its own flags); port 0 picks a
+    free one, and ``address`` says which.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        registry: CollectorRegistry,
+        health: Callable[[], tuple[bool, dict]],
+        thread_name: str,
+    ):
         metrics_app = make_wsgi_app(registry)
 
         def app(environ, start_response):
@@ -67,7 +77,7 @@ class MetricsHttpServer:
         self._server = make_server(host, port, app, server_class=server_class, handler_class=_QuietHandler)
         bound_host, bound_port = self._server.server_address[:2]
         self.address = format_host_port(host or bound_host, bound_port)
-        self._thread = threading.Thread(target=self._server.serve_forever, name="pegaflow-http", daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, name=thread_name, daemon=True)
 
     def start(self) -> None:
         self._thread.start()

@@ -1,0 +1,45 @@
+"""Building, binding and announcing a daemon's gRPC server (the sync server with a thread pool)."""
+
+from __future__ import annotations
+
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2
+
+from pegaflow.common.addresses import format_host_port
+
+
+def new_grpc_server(
+    workers: int, thread_name_prefix: str, max_message_bytes: int, max_concurrent_rpcs: int | None = None
+) -> grpc.Server:
+    """``max_concurrent_rpcs``: calls beyond it are refused (RESOURCE_EXHAUSTED) instead of queued."""
+    return grpc.server(
+        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=thread_name_prefix),
+        maximum_concurrent_rpcs=max_concurrent_rpcs,
+        options=[
+            # grpc enables SO_REUSEPORT by default: a second server on the same port would
+            # silently share it instead of failing to start.
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ],
+    )
+
+
+def listen(server: grpc.Server, addr: str, host: str) -> str:
+    """Binds ``addr`` (``host`` is its host, parsed by the caller); returns the address with the
+    port actually bound (port 0 picks a free one). Raises OSError when it cannot bind."""
+    try:
+        port = server.add_insecure_port(addr)
+    except RuntimeError as exc:  # grpc raises rather than returning 0 on some failed binds
+        raise OSError(f"cannot listen for gRPC on {addr}: {exc}") from exc
+    if port == 0:
+        raise OSError(f"cannot listen for gRPC on {addr}")
+    return format_host_port(host, port)
+
+
+def mark_serving(health_servicer: health.HealthServicer, service_name: str) -> None:
+    """Health checks answer SERVING for the server as a whole ("") and for its service."""
+    for service in ("", service_name):
+        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
