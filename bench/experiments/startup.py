@@ -28,9 +28,7 @@ seed's 500 GiB: the limit on this machine is how much memory it has, not the mec
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import pathlib
 import statistics
 import sys
@@ -39,14 +37,13 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pegaflow.bench.experiments.common import make_workdir, say
+from pegaflow.bench.experiments import common
+from pegaflow.bench.experiments.common import GIB, MIB, say
 from pegaflow.bench.harness import connector_config, loadgen, models, plots, results
 from pegaflow.bench.harness.pegaflow_proc import PegaflowServerProcess, free_local_addr
 from pegaflow.bench.harness.procs import mem_available_bytes
 from pegaflow.bench.harness.vllm_fleet import CpuPlacement, VllmConfig, VllmFleet
 
-GIB = 1 << 30
-MIB = 1 << 20
 MODES = ("server", "embedded")
 # PSS of one tiny-model vLLM tree with a 256 MiB KV cache is ~1.7 GiB (recipes/vllm-cpu.md); the
 # rest is headroom for page cache and the other processes of the machine.
@@ -241,7 +238,7 @@ def derive(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.experiment_parser(__doc__)
     ap.add_argument(
         "--out", type=pathlib.Path, help="where startup.json and startup.png go (default: the workdir)"
     )
@@ -258,11 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     if args.redraw is not None:
-        report = json.loads(args.redraw.read_text())
-        derive(report)
-        results.write_json(args.redraw, report)
-        plots.startup_figure(report, args.redraw.with_suffix(".png"))
-        say(f"rewrote {args.redraw} and {args.redraw.with_suffix('.png')}")
+        common.redraw(args.redraw, derive, plots.startup_figure)
         return 0
     try:
         sizes = tuple(int(float(x) * GIB) for x in args.sizes_gib.split(",") if x.strip())
@@ -279,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         baseline=not args.no_baseline,
         modes=modes,
     )
-    workdir = make_workdir(args.workdir, "startup")
+    workdir = common.make_workdir(args.workdir, "startup")
     out = args.out or workdir
     report = run(setup, workdir, args.model_cache)
     derive(report)

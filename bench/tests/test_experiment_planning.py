@@ -5,8 +5,8 @@ import dataclasses
 
 import pytest
 
+from pegaflow.bench.experiments import common, startup
 from pegaflow.bench.experiments import multi_instance as mi
-from pegaflow.bench.experiments import startup
 from pegaflow.bench.experiments.common import window_covering
 from pegaflow.bench.harness import cachesim, models, traces
 
@@ -112,3 +112,25 @@ def test_startup_refuses_a_pool_that_does_not_fit(monkeypatch):
 def test_startup_stats_use_the_median():
     s = startup.stats_of([30.0, 10.0, 20.0, 100.0])
     assert (s["median"], s["min"], s["max"], s["runs"]) == (25.0, 10.0, 100.0, 4)
+
+
+def test_the_regression_verdict_is_recorded_in_the_report():
+    report = _report(0.55, 0.41)
+    assert not common.judge_regression(
+        report, mi.REGRESSION_MIN_GAP, mi.regression_verdict, mi.compared_rates
+    )
+    assert report["regression"]["passed"] is False
+    assert report["regression"]["min_block_hit_rate_gap"] == mi.REGRESSION_MIN_GAP
+    assert "not 0.2 above" in report["regression"]["problems"][0]
+    report = _report(0.75, 0.41)
+    assert common.judge_regression(report, mi.REGRESSION_MIN_GAP, mi.regression_verdict, mi.compared_rates)
+    assert report["regression"] == {"min_block_hit_rate_gap": 0.2, "passed": True, "problems": []}
+
+
+def test_trace_flags_override_only_what_was_given():
+    ap = common.experiment_parser(None)
+    common.add_trace_overrides(ap, budget_help="B")
+    setup = common.apply_trace_overrides(mi.FULL, ap.parse_args(["--requests", "50", "--budget-mib", "96"]))
+    assert setup.trace.num_requests == 50 and setup.budget_bytes == 96 << 20
+    assert setup.users == mi.FULL.users and setup.trace.seed == mi.FULL.trace.seed
+    assert common.apply_trace_overrides(mi.FULL, ap.parse_args([])) == mi.FULL

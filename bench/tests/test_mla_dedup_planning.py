@@ -8,7 +8,7 @@ import json
 import numpy as np
 
 from pegaflow.bench.experiments import mla_dedup
-from pegaflow.bench.harness import cachesim, traces
+from pegaflow.bench.harness import cachesim, plots, traces
 
 
 def test_block_is_the_real_deepseek_v3_block():
@@ -114,5 +114,5 @@ def test_tp8_arithmetic_and_verdict_and_figure(tmp_path):
     )
     ok, problems = mla_dedup.regression_verdict(report)
     assert not ok and "not 0.15 above" in problems[0]
-    mla_dedup.figure(report, tmp_path / "fig.png")
+    plots.mla_dedup_figure(report, tmp_path / "fig.png")
     assert (tmp_path / "fig.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
