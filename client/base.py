@@ -32,7 +32,7 @@ log = logging.getLogger("pegaflow.client")
 class Connection:
     """Everything that belongs to one session; replaced as a whole on reconnect."""
 
-    __slots__ = ("channel", "stub", "session_id", "epoch", "pool", "heartbeat_s", "ttl_s", "limits")
+    __slots__ = ("channel", "stub", "session_id", "epoch", "pool", "heartbeat_s", "ttl_s", "limits", "local")
 
     def __init__(
         self, channel, stub: pb_grpc.EngineStub, resp: pb.OpenSessionResponse, pool: PoolMapping | None
@@ -45,6 +45,7 @@ class Connection:
         self.heartbeat_s: float = resp.heartbeat_interval_ms / 1000.0
         self.ttl_s: float = resp.ttl_ms / 1000.0
         self.limits: ServerLimits = codec.limits_from(resp.limits)
+        self.local = None  # LocalRpcClient: the session's local RPC socket, when the client uses one
 
 
 class HeartbeatWatch:
@@ -117,6 +118,19 @@ class ClientBase:
     def limits(self) -> ServerLimits | None:
         conn = self._conn
         return conn.limits if conn else None
+
+    @property
+    def local_rpc_socket(self) -> str:
+        """The local RPC socket this session's calls use ("" when they all go over gRPC; always so for
+        the asyncio client)."""
+        conn = self._conn
+        return conn.local.path if conn and conn.local else ""
+
+    @property
+    def local_rpc_calls(self) -> dict[str, int]:
+        """Calls of this session that the server ran from the local RPC socket, by method."""
+        conn = self._conn
+        return conn.local.call_counts() if conn and conn.local else {}
 
     def pool_view(self, epoch: str | None = None) -> np.ndarray:
         """The whole pool as a writable uint8 array (mapped into this process on the first call).

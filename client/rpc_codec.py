@@ -22,14 +22,16 @@ from pegaflow.proto import pegaflow_pb2 as pb
 
 NOT_FOUND_METADATA_KEY = "pegaflow-not-found"
 
+MAX_MESSAGE_BYTES = 8 << 20  # the server's limit too; the local RPC socket applies the same one
+
 # Reconnect fast after a server restart: grpc's own default backoff grows to 120 s.
 # (Not grpc.min_reconnect_backoff_ms: it is also the connect timeout, and a low one
 # aborts TCP/HTTP2 handshakes on a loaded machine - "tcp handshaker shutdown".)
 CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
-    ("grpc.max_receive_message_length", 8 << 20),
-    ("grpc.max_send_message_length", 8 << 20),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.enable_retries", 0),
 ]
 

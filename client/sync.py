@@ -10,12 +10,17 @@ thread heartbeats while connected and watches the pool connection for the
 server's death. Until recovery succeeds, calls fail fast with
 ServerUnavailable, which a cache user treats as a miss.
 
+On the server's host the frequent unary calls (queries, saves, releases, registrations, stats)
+travel over the server's local RPC socket (``client/local_rpc.py``): the same messages and
+semantics for ~0.05 ms instead of a gRPC round trip's ~0.7 ms; a call falls back to gRPC
+whenever that socket cannot take it.
+
 Create the client in the process that uses it (after any fork).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -26,6 +31,7 @@ from pegaflow.client import doorbell, errors
 from pegaflow.client import rpc_codec as codec
 from pegaflow.client.base import ClientBase, Connection, HeartbeatWatch, log
 from pegaflow.client.device import DeviceHandle, DeviceSave, registration_request
+from pegaflow.client.local_rpc import LocalRpcClient
 from pegaflow.client.pool_map import PoolMapping
 from pegaflow.client.types import InstanceHandle, KvLayout, Location, PrefixHit, QueryPurpose, SaveBatch
 from pegaflow.proto import pegaflow_pb2 as pb
@@ -33,6 +39,12 @@ from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
 
 
 class PegaClient(ClientBase):
+    def __init__(self, *args, local_rpc: bool = True, **kwargs):
+        """Arguments as ``ClientBase``'s. ``local_rpc=False``: every call over gRPC, even where the
+        server offers its local RPC socket."""
+        self.local_rpc = local_rpc
+        super().__init__(*args, **kwargs)
+
     def _init_transport(self) -> None:
         self._establish_lock = threading.Lock()  # one (re)connect at a time
         self._devices: list[DeviceHandle] = []  # GPU registrations, re-registered after a reconnect
@@ -68,7 +80,12 @@ class PegaClient(ClientBase):
         with self._lock:
             sending = list(self._sending)
         if sending:  # give pending releases / aborts their chance, within the timeout
-            concurrent.futures.wait(sending, timeout=self._timeout(timeout_s))
+            end = time.monotonic() + self._timeout(timeout_s)
+            for future in sending:  # grpc futures: concurrent.futures.wait cannot take them
+                try:
+                    future.exception(timeout=max(end - time.monotonic(), 0))
+                except Exception:  # not done in time, or cancelled: the lease's TTL is the backstop
+                    pass
         conn = self._take_connection()
         if conn is not None:
             try:
@@ -304,8 +321,15 @@ class PegaClient(ClientBase):
         conn = conn or self._require()
         if hasattr(request, "session_id"):
             request.session_id = conn.session_id
+        timeout = self._timeout(timeout_s)
         try:
-            return getattr(conn.stub, method)(request, timeout=self._timeout(timeout_s))
+            if conn.local is not None:
+                deadline = time.monotonic() + timeout
+                response = conn.local.call(method, request, deadline)
+                if response is not None:
+                    return response
+                timeout = max(deadline - time.monotonic(), 0.001)  # not sent there: gRPC, same deadline
+            return getattr(conn.stub, method)(request, timeout=timeout)
         except (grpc.RpcError, ValueError) as err:
             exc = self._translate(err, method)
         if codec.needs_reconnect(exc):
@@ -320,6 +344,8 @@ class PegaClient(ClientBase):
         if conn is None:
             return  # no session: whatever it held dies with it on the server
         request.session_id = conn.session_id
+        if conn.local is not None and conn.local.send(method, request, self._timeout(timeout_s)):
+            return
         try:
             future = getattr(conn.stub, method).future(request, timeout=self._timeout(timeout_s))
         except (grpc.RpcError, ValueError):
@@ -339,6 +365,8 @@ class PegaClient(ClientBase):
             self._wake.set()
 
     def _drop_connection(self, conn: Connection) -> None:
+        if conn.local is not None:
+            conn.local.close()
         self._release_pool(conn)
         conn.channel.close()
 
@@ -371,6 +399,7 @@ class PegaClient(ClientBase):
                         resp.pool.fd_socket_path, resp.session_id, max(deadline - time.monotonic(), 0.001)
                     )
                 conn = Connection(channel, stub, resp, pool)
+                conn.local = self._local_rpc_client(resp)
                 with self._lock:
                     handles, devices = list(self._instances), list(self._devices)
                 for handle in handles:
@@ -398,6 +427,14 @@ class PegaClient(ClientBase):
                 raise
         finally:
             self._establish_lock.release()
+
+    def _local_rpc_client(self, resp: pb.OpenSessionResponse) -> LocalRpcClient | None:
+        """The session's local RPC socket, when the server offers one and it exists here (on another
+        host the path names nothing; the greeting's epoch check catches a namesake)."""
+        path = resp.local_rpc_socket_path
+        if not self.local_rpc or not path or not os.path.exists(path):
+            return None
+        return LocalRpcClient(path, resp.pool.epoch, codec.MAX_MESSAGE_BYTES)
 
     def _start_worker(self) -> None:
         with self._lock:

@@ -3,7 +3,8 @@
     pegaflow-server --pool-size 30gb [--use-hugepages] [--addr 127.0.0.1:50055] [--http-addr 127.0.0.1:9091]
 
 When everything listens it prints one JSON line on stdout,
-{"event": "ready", "addr": ..., "http_addr": ..., "fd_socket_path": ..., "epoch": ...},
+{"event": "ready", "addr": ..., "http_addr": ..., "fd_socket_path": ...,
+ "local_rpc_socket_path": ..., "epoch": ...},
 so a supervisor (or a test) that asked for port 0 learns the real ports. Logs
 go to stderr. SIGTERM / SIGINT shut it down cleanly (leases dropped, pool freed).
 """
@@ -84,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--fd-socket-path",
         default=None,
         help="Unix socket on which local clients receive the pool's fd "
-        "(default: a fresh path under $XDG_RUNTIME_DIR or the temp dir, removed at exit)",
+        "(default: a fresh path under $XDG_RUNTIME_DIR or the temp dir, removed at exit); the local "
+        "RPC socket is created next to it (its name with .rpc before the extension)",
     )
     p.add_argument(
         "--session-ttl",
@@ -158,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                 "addr": server.address,
                 "http_addr": server.http_address,
                 "fd_socket_path": server.fd_socket_path,
+                "local_rpc_socket_path": server.local_rpc_socket_path,
                 "epoch": server.epoch,
                 "pool_size_bytes": server.engine.region.size_bytes,
                 "prefault_s": round(server.engine.region.prefault_s, 3),

@@ -1,4 +1,5 @@
-"""Runs a whole server in this process, in background threads: engine, gRPC, fd broker, metrics.
+"""Runs a whole server in this process, in background threads: engine, gRPC, local RPC socket, fd
+broker, metrics.
 
 ``start_server(config)`` is what ``pegaflow-server`` (main.py) runs, and what an
 embedding process (the connector's embedded mode, tests, the bench) calls to get
@@ -31,6 +32,7 @@ from pegaflow.server.config import ServerConfig, parse_host_port
 from pegaflow.server.engine import KVEngine
 from pegaflow.server.metrics.registry import ServerMetrics
 from pegaflow.server.pool.fd_broker import FdBroker
+from pegaflow.server.rpc.local_socket import LocalRpcServer
 from pegaflow.server.rpc.servicer import EngineServicer
 
 log = logging.getLogger(__name__)
@@ -49,11 +51,13 @@ class RunningServer:
         self.gpu = None  # server.gpu.service.GpuDataPath when this host has a usable GPU
         self.broker: FdBroker | None = None
         self.grpc_server: grpc.Server | None = None
+        self.local_rpc: LocalRpcServer | None = None  # None when its socket could not be bound
         self.health: health.HealthServicer | None = None
         self.http: MetricsHttpServer | None = None
         self.address = ""
         self.http_address: str | None = None
         self.fd_socket_path = ""
+        self.local_rpc_socket_path = ""
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
 
@@ -74,6 +78,8 @@ class RunningServer:
                 self.health.enter_graceful_shutdown()
             if self.grpc_server is not None:
                 self.grpc_server.stop(grace_s).wait(grace_s + 1)
+            if self.local_rpc is not None:
+                self.local_rpc.stop(grace_s)
             if self.http is not None:
                 self.http.stop()
             if self.broker is not None:
@@ -101,6 +107,26 @@ class RunningServer:
 def _default_fd_socket_path(epoch: str) -> str:
     base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
     return os.path.join(base, f"pegaflow-{os.getpid()}-{epoch}.sock")
+
+
+def _local_rpc_socket_path(fd_socket_path: str) -> str:
+    """Next to the fd broker's socket (a deployment that mounts that directory into a container gets
+    both), e.g. pegaflow-<pid>-<epoch>.rpc.sock."""
+    base, ext = os.path.splitext(fd_socket_path)
+    return f"{base}.rpc{ext or '.sock'}"
+
+
+def _start_local_rpc(server: RunningServer, servicer: EngineServicer) -> None:
+    """The local RPC socket; without it (it cannot be bound) clients simply use gRPC."""
+    path = _local_rpc_socket_path(server.fd_socket_path)
+    try:
+        local = LocalRpcServer(path, servicer, server.engine.epoch, MAX_MESSAGE_BYTES)
+    except OSError as exc:
+        log.warning("local rpc socket %s unavailable (%s); local clients will use gRPC", path, exc)
+        return
+    server.local_rpc = local
+    local.start()
+    server.local_rpc_socket_path = servicer.local_rpc_socket_path = path
 
 
 def _start_gpu(config: ServerConfig, engine: KVEngine):
@@ -134,9 +160,9 @@ def start_server(config: ServerConfig) -> RunningServer:
         engine.add_session_listener(server.broker.forget_session)
 
         server.grpc_server = new_grpc_server(config.rpc_workers, "pegaflow-rpc", MAX_MESSAGE_BYTES)
-        pegaflow_pb2_grpc.add_EngineServicer_to_server(
-            EngineServicer(engine, server.fd_socket_path, server.metrics, gpu=server.gpu), server.grpc_server
-        )
+        servicer = EngineServicer(engine, server.fd_socket_path, server.metrics, gpu=server.gpu)
+        _start_local_rpc(server, servicer)  # before gRPC serves OpenSession, whose answer names it
+        pegaflow_pb2_grpc.add_EngineServicer_to_server(servicer, server.grpc_server)
         server.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(server.health, server.grpc_server)
         host, _ = parse_host_port(config.addr)
@@ -160,10 +186,11 @@ def start_server(config: ServerConfig) -> RunningServer:
         server.stop(grace_s=0)
         raise
     log.info(
-        "pegaflow-server ready: grpc %s, metrics %s, pool fd socket %s, epoch %s",
+        "pegaflow-server ready: grpc %s, metrics %s, pool fd socket %s, local rpc socket %s, epoch %s",
         server.address,
         server.http_address or "off",
         server.fd_socket_path,
+        server.local_rpc_socket_path or "off",
         engine.epoch,
     )
     return server

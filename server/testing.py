@@ -169,3 +169,23 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def sigstop(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and wait until every thread of it is stopped (state T): a frozen server, as
+    a hung host would leave it. Raises TimeoutError if it does not stop in time."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                stat = pathlib.Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            except OSError:
+                continue
+            states.append(stat.rsplit(")", 1)[1].split()[0])
+        if states and all(s in ("T", "t") for s in states):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid} did not stop: thread states {states}")
+        time.sleep(0.01)

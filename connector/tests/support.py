@@ -118,25 +118,3 @@ def wait_for(predicate, timeout_s: float = 30.0, interval_s: float = 0.05):
         if time.monotonic() > deadline:
             pytest.fail(f"condition not reached within {timeout_s} s")
         time.sleep(interval_s)
-
-
-def sigstop(pid: int, timeout_s: float = 10.0) -> None:
-    """SIGSTOP and wait until every thread of the process is stopped (state T)."""
-    import os
-    import signal
-
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        states = []
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    states.append(f.read().rsplit(")", 1)[1].split()[0])
-            except OSError:
-                continue
-        if states and all(s in ("T", "t") for s in states):
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"process {pid} did not stop: thread states {states}")
-        time.sleep(0.01)

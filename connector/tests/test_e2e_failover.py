@@ -26,8 +26,7 @@ from pegaflow.connector.tests.e2e_support import (
     start_vllm,
     warm_up,
 )
-from pegaflow.connector.tests.support import sigstop
-from pegaflow.server.testing import ServerProcess, free_port
+from pegaflow.server.testing import ServerProcess, free_port, sigstop
 from pegaflow.tools.vllm_cpu.tiny_model import TinyModelSpec, ensure_tiny_model
 
 pytestmark = pytest.mark.timeout(900)

@@ -24,12 +24,11 @@ from pegaflow.connector.tests.support import (
     layout,
     load_meta,
     save_and_wait,
-    sigstop,
     step,
     wait_for,
     worker,
 )
-from pegaflow.server.testing import ServerProcess, free_port
+from pegaflow.server.testing import ServerProcess, free_port, sigstop
 
 pytestmark = pytest.mark.timeout(240)
 

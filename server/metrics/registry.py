@@ -47,7 +47,10 @@ class ServerMetrics(EngineObserver):
             registry=self.registry,
         )
         self.rpc_calls = Counter(
-            "pegaflow_rpc", "gRPC calls by method and status code", ["method", "code"], registry=self.registry
+            "pegaflow_rpc",
+            "RPCs (gRPC and the local RPC socket) by method and status code",
+            ["method", "code"],
+            registry=self.registry,
         )
         self.save_duration = Histogram(
             "pegaflow_save_duration_seconds",

@@ -46,7 +46,7 @@ class _Conn:
         self.session_id: str | None = None
 
 
-def _prepare_socket_path(path: str) -> None:
+def prepare_socket_path(path: str) -> None:
     """Removes a stale socket left by a dead server; refuses to steal a live one or a non-socket."""
     try:
         st = os.lstat(path)
@@ -88,7 +88,7 @@ class FdBroker:
         self._fd = fd
         self._attach = attach
         self._detach = detach
-        _prepare_socket_path(path)
+        prepare_socket_path(path)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(path)
         os.chmod(path, 0o660)

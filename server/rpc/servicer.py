@@ -57,6 +57,8 @@ class EngineServicer(pb_grpc.EngineServicer):
         self._config: ServerConfig = engine.config
         self._fd_socket_path = fd_socket_path
         self._metrics = metrics
+        # Named in OpenSessionResponse once the runtime's local RPC socket listens; "" = none.
+        self.local_rpc_socket_path = ""
 
     @staticmethod
     def _caller_gone(context: grpc.ServicerContext, deadline: float) -> bool:
@@ -91,6 +93,7 @@ class EngineServicer(pb_grpc.EngineServicer):
                 max_lease_ttl_ms=int(cfg.max_lease_ttl_s * 1000),
                 write_timeout_ms=int(cfg.write_timeout_s * 1000),
             ),
+            local_rpc_socket_path=self.local_rpc_socket_path,
         )
 
     @_handler
