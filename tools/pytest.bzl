@@ -54,8 +54,13 @@ def py_module_test(name, module, heavy = False, deps = [], tags = [], timeout = 
         **kwargs
     )
 
-def pytest_tests(deps = [], data = []):
+def pytest_tests(deps = [], data = [], names = {}):
     """A py_test for every **/tests/test_*.py of this package.
+
+    names: {test file: target name} for files whose target a README names otherwise, e.g.
+    {"tests/test_e2e_mla_dedup.py": "mla_dedup"} makes `bazel test //bench:mla_dedup` run it.
+    (Not an `alias`: Bazel 4.2.3 does not expand aliases for `bazel test`, so one would run
+    nothing.) `bazel test //...` still runs each file exactly once.
 
     Helpers next to the tests (conftest.py and any other non-test module or file
     under a tests/ folder) go into every test's runfiles.
@@ -77,7 +82,7 @@ def pytest_tests(deps = [], data = []):
         )
     for src in test_files:
         pytest_test(
-            name = _target_name(src),
+            name = names.get(src, _target_name(src)),
             src = src,
             deps = deps + ([":test_support"] if support_py else []),
             data = data + ([] if support_py else support_data),

@@ -207,6 +207,7 @@ def vllm_config(setup: Setup, model_dir: pathlib.Path, arm: str, server_addr: st
         max_model_len=setup.max_model_len,
         kv_cache_bytes=setup.vllm_kv_cache_bytes,
         kv_transfer_config=kv,
+        block_tokens=BLOCK_TOKENS,
         # one OpenMP thread per rank, rank r on core r
         placement=CpuPlacement(bind="|".join(str(r % 2) for r in range(setup.tp))),
         extra_args=(

@@ -252,6 +252,7 @@ def run_arm(
                 kv_cache_bytes=setup.vllm_kv_cache_bytes,
                 kv_transfer_config=kv,
                 placement=setup.placement,
+                block_tokens=models.CPU_BLOCK_TOKENS,
             )
             for kv in kv_configs
         ]

@@ -63,6 +63,10 @@ class VllmConfig:
     placement: CpuPlacement = CpuPlacement()
     extra_args: tuple[str, ...] = ()
     extra_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # The KV block size the experiment planned its budget and its counts with. The attention
+    # backend picks the real one (by CPU, for some backends): start() refuses an engine that
+    # reports another, rather than let every derived number be off.
+    block_tokens: int | None = None
 
     def server(self, workdir: pathlib.Path) -> VllmServer:
         args = [
@@ -157,6 +161,12 @@ class VllmFleet:
             for s, t0 in zip(self.servers, launched, strict=True):
                 s.wait_ready(timeout_s=max(1.0, deadline - time.monotonic()))
                 self.ready_s.append(time.monotonic() - t0)
+            for s, cfg in zip(self.servers, self.configs, strict=True):
+                if cfg.block_tokens is not None and s.metrics().block_size != cfg.block_tokens:
+                    raise RuntimeError(
+                        f"{s.base_url} runs with {s.metrics().block_size}-token KV blocks; the "
+                        f"experiment is planned for {cfg.block_tokens} (see its attention backend)"
+                    )
         except BaseException:
             self.stop()
             raise

@@ -16,9 +16,7 @@ KV_TRANSFER = {
     "kv_role": "kv_both",
     "kv_connector_module_path": "pegaflow.connector",
 }
-BLOCK_TOKENS = 128  # vLLM's CPU block size
 PROMPT_TOKENS = 1000
-FULL_BLOCK_TOKENS = (PROMPT_TOKENS // BLOCK_TOKENS) * BLOCK_TOKENS  # 896: the tail block is computed
 MAX_TOKENS = 4
 LOGPROBS = 5
 
@@ -48,8 +46,30 @@ def start_vllm(
 
 
 def warm_up(srv: VllmServer) -> None:
-    """The first request with logprobs pays a one-time lazy init (seconds): pay it here."""
-    srv.complete(prompt(-1, 40), max_tokens=2, logprobs=LOGPROBS)
+    """The first request with logprobs pays a one-time lazy init (seconds): pay it here.
+
+    It computes fewer tokens than one block of this engine (its prompt and one generated token),
+    so it stores nothing and every block count a test expects comes from its own requests
+    alone, whatever block size the engine's attention backend picked on this CPU."""
+    srv.complete(prompt(-1, short_prompt_tokens(srv)), max_tokens=2, logprobs=LOGPROBS)
+
+
+def short_prompt_tokens(srv: VllmServer) -> int:
+    """A prompt length that, with up to two generated tokens, never fills a block of ``srv``."""
+    return max(1, srv.metrics().block_size - 2)
+
+
+def full_blocks(srv: VllmServer, prompt_tokens: int, max_tokens: int = 1) -> int:
+    """Full blocks a request computes (and the connector saves) on ``srv``: its prompt and every
+    generated token but the last, which is sampled and never run through the model."""
+    return (prompt_tokens + max_tokens - 1) // srv.metrics().block_size
+
+
+def loadable_tokens(srv: VllmServer, prompt_tokens: int) -> int:
+    """Prompt tokens a warm request can take from the cache: whole blocks, the last prompt token
+    excluded (it is always computed: it produces the first output token's logits)."""
+    bs = srv.metrics().block_size
+    return (prompt_tokens - 1) // bs * bs
 
 
 def ask(srv: VllmServer, tokens: list[int]) -> tuple[Completion, float, float]:

