@@ -1,6 +1,7 @@
 # pegaflow: the two README commands and their parts.
 #
-#   make run    set the machine up, then start pegaflow-server on its defaults
+#   make run    set the machine up for the server only (its dozen wheels, not the full lock),
+#               then start pegaflow-server on its defaults
 #   make test   set the machine up, then lint + nix check + offline Bazel check + bazel test //...
 #
 # Both are idempotent: set-up steps are skipped by stamps (lock hash, dpkg
@@ -27,7 +28,7 @@ ARGS ?=
 # leaving room for vLLM engines next to it. make run POOL_SIZE=8gb to change it.
 POOL_SIZE ?= $(shell awk '/^MemTotal:/ { g = int($$2 / 4 / 1048576); print (g < 1 ? 1 : g) "gb" }' /proc/meminfo)
 
-.PHONY: help setup apt venv proto run test pytest lint format nix-check bazel-offline-check bazel-test clean
+.PHONY: help setup apt venv venv-server proto run test pytest lint format nix-check bazel-offline-check bazel-test clean
 
 help:
 	@echo "make run          install what is missing, start pegaflow-server (POOL_SIZE=, ARGS=... for flags)"
@@ -47,16 +48,24 @@ apt:
 venv: apt
 	@ci/venv.sh
 
+# What pegaflow-server imports and what building the package needs
+# (third_party/requirements-server.lock + requirements-build.lock); a full venv
+# already satisfies it. Enough for `make run` and for generating the stubs.
+venv-server: apt
+	@ci/venv.sh server
+
 proto: $(STUBS)
 
 # One generator for make, pip and Bazel (proto/generate.py). Stubs also depend
-# on the lock: a new grpcio-tools regenerates them.
-proto/%_pb2.py proto/%_pb2_grpc.py: proto/%.proto proto/generate.py third_party/requirements.lock | venv
+# on the locks that pin grpcio-tools and protobuf: a new one regenerates them.
+proto/%_pb2.py proto/%_pb2_grpc.py: proto/%.proto proto/generate.py third_party/requirements-server.lock third_party/requirements-build.lock | venv-server
 	@$(PY) proto/generate.py proto $<
 
 # ---- the two commands ----------------------------------------------------
 
-run: setup
+# Only the server's own dependencies: a fresh clone is serving in well under a
+# minute (README), instead of the minutes the full lock takes to install.
+run: apt venv-server proto
 	exec $(VENV)/bin/pegaflow-server --pool-size $(POOL_SIZE) $(ARGS)
 
 test: setup lint nix-check bazel-offline-check bazel-test

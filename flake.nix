@@ -32,6 +32,8 @@
             pkgs.fio
             pkgs.iperf3
             pkgs.iproute2
+            pkgs.prometheus # prometheus + promtool for ops/tests/test_dashboard.py
+            pkgs.etcd # metaserver replicas elect their leader through it (tests, bench)
             pkgs.gnumake
             pkgs.git
           ];

@@ -42,6 +42,7 @@ NUM_BLOCKS = 1024
 REQUEST_BLOCKS = 256
 POOL_BYTES = 6 << 30
 REPS = 5
+RUNS = 10
 
 
 # ------------------------------------------------------------------ worker process
@@ -51,7 +52,7 @@ def worker_main(address: str, key_hex: str) -> None:
     import torch
 
     from pegaflow.bench.gpu_worker_emulator import build_kv, deepseek_mla, qwen3_8b
-    from pegaflow.server.gpu.registration import export_torch_kv
+    from pegaflow.client.device import export_torch_kv
 
     conn = Client(address, authkey=bytes.fromhex(key_hex))
     shapes = {
@@ -99,6 +100,7 @@ class Bench:
         self.R: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S")}
         self.cp.cuda.Device(0).use()
         self.stream = self.cp.cuda.Stream(non_blocking=True)
+        self.calls = cuda_runtime.stream_calls()
 
     def log(self, key, value):
         self.R[key] = value
@@ -218,6 +220,7 @@ class Bench:
         msg = self.wconn.recv()
         self.layouts = msg["layouts"]
         from pegaflow.server.gpu.ipc import IpcMappings
+        from pegaflow.server.gpu.registration import layout_of
 
         self.ipc = IpcMappings()
         t0 = time.perf_counter()
@@ -226,7 +229,7 @@ class Bench:
             reg = info["reg"]
             ordinal = self.ipc.device_ordinal(reg.device_uuid)
             addrs = [self.ipc.open(ordinal, t.ipc_handle) + t.offset for t in reg.tensors]
-            self.opened[name] = dict(layout=reg.validate(), addrs=addrs, ordinal=ordinal)
+            self.opened[name] = dict(layout=layout_of(reg), addrs=addrs, ordinal=ordinal)
         t1 = time.perf_counter()
         self.log(
             "ipc",
@@ -332,7 +335,8 @@ class Bench:
                         start, end = cp.cuda.Event(), cp.cuda.Event()
                         start.record(self.stream)
                         k.launch(
-                            self.stream,
+                            self.calls,
+                            self.stream.ptr,
                             0,
                             dev_items.data.ptr,
                             table.items,
@@ -360,22 +364,39 @@ class Bench:
         return rows
 
     # -- copier (what the server runs) -------------------------------------------
-    def copier_runs(self, name, ids, slots, targets, copier, mode) -> dict:
+    def copier_runs(self, name, ids, slots, targets, copier, mode, runs: int = RUNS, chunked=False) -> dict:
+        """Wall time of ``runs`` copies each way, start() to wait() returning, on this thread (as the
+        server's request thread runs them); ``chunked``: cut as the service cuts a request
+        (copy_plan.pipeline_chunks), all started, then waited for in order."""
+        from pegaflow.server.gpu.copy_plan import pipeline_chunks
+
         o = self.opened[name]
         layout = o["layout"]
         key = name  # the caller registered every layout under its name
         offs = np.asarray(slots, dtype=np.uint64) * np.uint64(layout.block_bytes)
         nbytes = len(ids) * layout.block_bytes
+        bounds = pipeline_chunks(len(ids), layout.block_bytes) if chunked else [(0, len(ids))]
         res = {}
         for direction, block_ids in (("save", ids), ("load", targets)):
             to_host = direction == "save"
-            modes = []
+            block_ids = np.asarray(block_ids)
+            modes, gpu, launch = [], [], []
 
-            def once(block_ids=block_ids, to_host=to_host, modes=modes):
+            def once(block_ids=block_ids, to_host=to_host, modes=modes, gpu=gpu, launch=launch):
                 t0 = time.perf_counter()
-                r = copier.submit(key, to_host, block_ids, offs, mode=mode).result(timeout=120)
-                modes.append(r.mode)
-                return time.perf_counter() - t0
+                copies = [
+                    copier.start(key, to_host, block_ids[lo:hi], offs[lo:hi], mode, trace=True)
+                    for lo, hi in bounds
+                ]
+                results = []
+                for c in copies:
+                    c.wait(time.monotonic() + 60)
+                    results.append(c.finish())
+                t = time.perf_counter() - t0
+                modes.append(results[0].mode)
+                gpu.append(sum(r.gpu_s or 0 for r in results))
+                launch.append(sum(r.launch_s for r in results))
+                return t
 
             if to_host:
                 self.poison(name, slots)
@@ -383,9 +404,174 @@ class Bench:
                 self.zero(name, targets)
             once()
             ok = self.check_saved(name, ids, slots) if to_host else self.check_loaded(name, targets, slots)
-            t = median_s(once)
-            res[direction] = dict(gbps=gbps(nbytes, t), ms=round(t * 1e3, 3), verified=ok, mode=modes[-1])
+            times = [once() for _ in range(runs)]
+            res[direction] = dict(
+                gbps=gbps(nbytes, statistics.median(times)),
+                worst_gbps=gbps(nbytes, max(times)),
+                ms=round(statistics.median(times) * 1e3, 3),
+                gpu_ms_median=round(statistics.median(gpu[1:]) * 1e3, 3),
+                launch_ms_median=round(statistics.median(launch[1:]) * 1e3, 3),
+                verified=ok,
+                mode=modes[-1],
+            )
         return res
+
+    # -- diagnostics: where slow runs can come from ----------------------------------
+    def _nvml(self):
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            h = pynvml.nvmlDeviceGetHandleByIndex(0)
+            return dict(
+                link_gen=pynvml.nvmlDeviceGetCurrPcieLinkGeneration(h),
+                link_width=pynvml.nvmlDeviceGetCurrPcieLinkWidth(h),
+                sm_mhz=pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
+                mem_mhz=pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM),
+                pstate=pynvml.nvmlDeviceGetPerformanceState(h),
+            )
+        except Exception as exc:  # noqa: BLE001 - a diagnostic only
+            return dict(error=repr(exc)[:120])
+
+    def idle_gaps(self, keepalive_s: float = 0.0) -> list[dict]:
+        """After the GPU and the link idled for a while, how long does a 64 MiB copy take (GPU time
+        by events, and wall time from enqueue to completion seen)? With ``keepalive_s``, a 4 KiB
+        copy each way every keepalive_s during the gap."""
+        import threading
+
+        n = 64 << 20
+        dev = self.cp.empty(n, dtype=self.cp.uint8)
+        dev.fill(1)
+        d, h = dev.data.ptr, self.region.device_addr + (1 << 30)
+        tiny = self.cp.empty(4096, dtype=self.cp.uint8)
+        ka_stream = self.cp.cuda.Stream(non_blocking=True)
+        rows = []
+        for gap_ms in (0, 1, 5, 20, 100, 500, 2000):
+            for direction in ("d2h", "h2d"):
+                stop = threading.Event()
+
+                def keepalive(stop=stop):
+                    self.cp.cuda.Device(0).use()
+                    while not stop.wait(keepalive_s):
+                        self.rt.memcpyAsync(h, tiny.data.ptr, 4096, self.cuda.MEMCPY_DEFAULT, ka_stream.ptr)
+                        self.rt.memcpyAsync(tiny.data.ptr, h, 4096, self.cuda.MEMCPY_DEFAULT, ka_stream.ptr)
+
+                th = None
+                if keepalive_s > 0:
+                    th = threading.Thread(target=keepalive, daemon=True)
+                    th.start()
+                time.sleep(gap_ms / 1e3)
+                before = self._nvml() if gap_ms >= 100 else None
+                stop.set()
+                if th is not None:
+                    th.join()
+                t0 = time.perf_counter()
+                src, dst = (d, h) if direction == "d2h" else (h, d)
+                g = self.memcpy_s(dst, src, n)
+                wall = time.perf_counter() - t0
+                g2 = self.memcpy_s(dst, src, n)  # right after: the warm rate
+                rows.append(
+                    dict(
+                        gap_ms=gap_ms,
+                        direction=direction,
+                        gpu_gbps=gbps(n, g),
+                        wall_gbps=gbps(n, wall),
+                        then_gbps=gbps(n, g2),
+                        nvml_before=before,
+                    )
+                )
+        return rows
+
+    def first_launches(self, name, ids, slots) -> list[dict]:
+        """A fresh DeviceCopier's first copies (CPU launch time, GPU time) vs its later ones."""
+        from pegaflow.server.gpu.device_copier import DeviceCopier
+
+        o = self.opened[name]
+        lay = o["layout"]
+        offs = np.asarray(slots, np.uint64) * np.uint64(lay.block_bytes)
+        t0 = time.perf_counter()
+        copier = DeviceCopier(0, self.region.device_addr, POOL_BYTES)
+        made = time.perf_counter() - t0
+        rows = [dict(copier_create_s=round(made, 3), driver_calls=copier.driver_calls)]
+        try:
+            copier.add_layout("fresh", lay, o["addrs"])
+            for i in range(4):
+                for to_host in (True, False):
+                    t = time.perf_counter()
+                    c = copier.start("fresh", to_host, ids[:16], offs[:16], "auto", trace=True)
+                    c.wait(time.monotonic() + 60)
+                    r = c.finish()
+                    rows.append(
+                        dict(
+                            i=i,
+                            save=to_host,
+                            wall_ms=round((time.perf_counter() - t) * 1e3, 3),
+                            launch_ms=round(r.launch_s * 1e3, 3),
+                            gpu_ms=round((r.gpu_s or 0) * 1e3, 3),
+                            mode=r.mode,
+                        )
+                    )
+            copier.retire("fresh", 60)
+        finally:
+            copier.close()
+        return rows
+
+    def wakeups(self) -> dict:
+        """What waking a sleeping thread costs on this host: round trips through a socketpair between
+        two threads and two processes, the answering side blocked in recv vs spinning."""
+        import socket
+        import threading
+
+        def ping(sock, n=2000):
+            ts = []
+            for _ in range(n):
+                t = time.perf_counter()
+                sock.send(b"x")
+                sock.recv(1)
+                ts.append(time.perf_counter() - t)
+            ts.sort()
+            return dict(p50_us=round(ts[n // 2] * 1e6, 1), p99_us=round(ts[int(n * 0.99)] * 1e6, 1))
+
+        out = {}
+        for spin in (False, True):
+            a, b = socket.socketpair()
+
+            def echo(b=b, spin=spin):
+                if spin:
+                    b.setblocking(False)
+                while True:
+                    try:
+                        x = b.recv(1)
+                    except BlockingIOError:
+                        continue
+                    if not x:
+                        return
+                    b.send(x)
+
+            th = threading.Thread(target=echo, daemon=True)
+            th.start()
+            out[f"threads_{'spin' if spin else 'block'}"] = ping(a, 500 if spin else 2000)
+            a.close()
+            th.join(5)
+        for spin in (False, True):
+            a, b = socket.socketpair()
+            code = (
+                "import socket,sys\n"
+                "s=socket.socket(fileno=int(sys.argv[1]))\n"
+                + ("s.setblocking(False)\n" if spin else "")
+                + "while True:\n"
+                "    try: x=s.recv(1)\n"
+                "    except BlockingIOError: continue\n"
+                "    if not x: break\n"
+                "    s.send(x)\n"
+            )
+            p = subprocess.Popen([sys.executable, "-c", code, str(b.fileno())], pass_fds=(b.fileno(),))
+            b.close()
+            ping(a, 50)
+            out[f"processes_{'spin' if spin else 'block'}"] = ping(a)
+            a.close()
+            p.wait(10)
+        return out
 
     # -- worker death --------------------------------------------------------------
     def worker_death(self, copier):
@@ -431,7 +617,7 @@ class Bench:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--quick", action="store_true", help="skip the kernel launch-shape sweep")
+    ap.add_argument("--sweep", action="store_true", help="also sweep the kernel's launch shapes")
     ap.add_argument("--worker", nargs=2, metavar=("ADDRESS", "KEY"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -441,19 +627,33 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     b = Bench(out)
     try:
-        run(b, quick=args.quick)
+        run(b, sweep=args.sweep)
     finally:
         b.save_json()
         if getattr(b, "worker", None) is not None and b.worker.poll() is None:
             os.killpg(b.worker.pid, signal.SIGKILL)
 
 
-def run(b: Bench, quick: bool = False) -> None:
+def _step(b: Bench, label: str, fn):
+    """One experiment; a failure is recorded and the run goes on."""
+    t0 = time.perf_counter()
+    try:
+        b.log(label, fn())
+    except Exception as exc:  # noqa: BLE001 - recorded
+        b.log(label + "_error", repr(exc)[:500])
+    b.R.setdefault("step_s", {})[label] = round(time.perf_counter() - t0, 2)
+    b.save_json()
+
+
+def run(b: Bench, sweep: bool = False) -> None:
     from pegaflow.server.gpu.device_copier import DeviceCopier
 
     b.environment()
     b.make_pool()
     b.ceilings("start")
+    _step(b, "wakeups", b.wakeups)
+    _step(b, "idle_gaps", b.idle_gaps)
+    _step(b, "idle_gaps_keepalive_2ms", lambda: b.idle_gaps(0.002))
     b.start_worker()
     rng = np.random.default_rng(42)
     sel = {}
@@ -468,57 +668,52 @@ def run(b: Bench, quick: bool = False) -> None:
             scattered=rng.choice(nslots, size=REQUEST_BLOCKS, replace=False).tolist(),
         )
     b.log("request_bytes", {n: REQUEST_BLOCKS * b.opened[n]["layout"].block_bytes for n in sel})
+    _step(
+        b,
+        "first_launches",
+        lambda: b.first_launches("cross_layer", sel["cross_layer"]["ids"], range(600, 900)),
+    )
 
     # 1. the bare kernel (GPU time), contiguous pool slots
-    grid = [dict(threads=t, unroll=u) for t, u in itertools.product((256, 512), (2, 4, 8))]
-    grid += [dict(threads=256, unroll=4, load_mode=1), dict(threads=256, unroll=4, store_mode=1)]
-    if quick:
-        grid = [dict(threads=256, unroll=4)]
-    sweep = {}
-    for name, pieces in (
-        ("per_layer", (32 << 10,)),
-        ("cross_layer", (32 << 10, 64 << 10, 256 << 10)),
-        ("mla", (64 << 10,)),
-    ):
+    grid = [dict(threads=256, unroll=4)]
+    if sweep:
+        grid = [dict(threads=t, unroll=u) for t, u in itertools.product((256, 512), (2, 4, 8))]
+        grid += [dict(threads=256, unroll=4, load_mode=1), dict(threads=256, unroll=4, store_mode=1)]
+    kernel = {}
+    for name, pieces in (("per_layer", (32 << 10,)), ("cross_layer", (64 << 10,)), ("mla", (64 << 10,))):
         s = sel[name]
-        sweep[name] = b.sweep(name, s["ids"], s["contiguous"], s["targets"], grid, pieces)
-        for d in ("save", "load"):
-            best = sorted(
-                (r for r in sweep[name] if r["direction"] == d and "gbps" in r), key=lambda r: -r["gbps"]
-            )
-            b.log(
-                f"kernel_{name}_{d}",
-                dict(
-                    best=best[0],
-                    worst_gbps=best[-1]["gbps"],
-                    all_verified=all(r.get("verified", True) for r in best),
-                ),
-            )
-    b.R["sweep"] = sweep
+        try:
+            kernel[name] = b.sweep(name, s["ids"], s["contiguous"], s["targets"], grid, pieces)
+        except Exception as exc:  # noqa: BLE001
+            kernel[name] = repr(exc)[:300]
+    b.log("kernel", kernel)
     b.save_json()
 
-    # 2. the copier, as the server runs it: wall time from submit to the future resolving
+    # 2. the copier, as the server runs it: start() .. wait() on this thread
     copier_res = {}
-    configs = [
-        ("direct", 32 << 20, 3),
-        ("staged", 16 << 20, 3),
-        ("staged", 32 << 20, 3),
-        ("staged", 64 << 20, 3),
-    ]
-    for mode, slot_bytes, nslots in configs:
-        copier = DeviceCopier(0, b.region.device_addr, POOL_BYTES, slot_bytes=slot_bytes, slots=nslots)
-        try:
-            for name in sel:
-                copier.add_layout(name, b.opened[name]["layout"], b.opened[name]["addrs"])
-            for name in ("per_layer", "cross_layer", "mla"):
-                s = sel[name]
-                for place in ("contiguous", "scattered"):
-                    r = b.copier_runs(name, s["ids"], s[place], s["targets"], copier, mode)
-                    label = f"{mode}/{slot_bytes >> 20}MiBx{nslots}/{name}/{place}"
-                    copier_res[label] = r
-                    print("copier", label, r, flush=True)
-        finally:
-            copier.close()
+    for driver in (True, False):
+        for mode in ("direct", "staged"):
+            copier = DeviceCopier(0, b.region.device_addr, POOL_BYTES, driver_calls=driver)
+            try:
+                for name in sel:
+                    copier.add_layout(name, b.opened[name]["layout"], b.opened[name]["addrs"])
+                for name in ("per_layer", "cross_layer", "mla"):
+                    s = sel[name]
+                    for place in ("contiguous", "scattered"):
+                        for chunked in (False, True) if driver else (False,):
+                            label = f"{mode}/{name}/{place}/{'driver' if copier.driver_calls else 'cupy'}" + (
+                                "/chunked" if chunked else ""
+                            )
+                            try:
+                                r = b.copier_runs(
+                                    name, s["ids"], s[place], s["targets"], copier, mode, chunked=chunked
+                                )
+                            except Exception as exc:  # noqa: BLE001
+                                r = dict(error=repr(exc)[:300])
+                            copier_res[label] = r
+                            print("copier", label, r, flush=True)
+            finally:
+                copier.close()
     b.R["copier"] = copier_res
     b.save_json()
 
@@ -556,8 +751,9 @@ def run(b: Bench, quick: bool = False) -> None:
     finally:
         copier.close()
     summary = {
-        k: (v["save"]["gbps"], v["load"]["gbps"], v["save"]["verified"] and v["load"]["verified"])
+        k: (v["save"]["gbps"], v["save"]["worst_gbps"], v["load"]["gbps"], v["load"]["worst_gbps"])
         for k, v in copier_res.items()
+        if "save" in v
     }
     b.log("copier_summary", summary)
 

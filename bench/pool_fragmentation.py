@@ -29,7 +29,7 @@ import numpy as np
 
 from pegaflow.server.config import GIB, KIB, ServerConfig
 from pegaflow.server.engine import KVEngine
-from pegaflow.server.index.namespace import KvLayout
+from pegaflow.server.store.namespace import KvLayout
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 POOL = 2 * GIB

@@ -48,8 +48,8 @@ import numpy as np
 
 from pegaflow.client import KvLayout, PegaClient, read_blocks, write_blocks
 from pegaflow.server.config import parse_size
-from pegaflow.server.pool.region import read_meminfo
 from pegaflow.server.testing import ServerProcess
+from pegaflow.server.tiers.dram.region import read_meminfo
 
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results"

@@ -1,9 +1,8 @@
-"""What PegaClient (sync) and AsyncPegaClient (asyncio) share.
+"""The client's state and rules, apart from its transport (PegaClient in sync.py adds that).
 
 One session's state (``Connection``), the checks every call makes, the request
 messages, and the rules of the background loop (when a missed heartbeat means a
-dead server, which handles to register). The two clients add only the
-transport: blocking calls and a thread, or coroutines and a task.
+dead server, which handles to register). AsyncPegaClient (aio.py) wraps PegaClient.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ class Connection:
     def __init__(
         self, channel, stub: pb_grpc.EngineStub, resp: pb.OpenSessionResponse, pool: PoolMapping | None
     ):
-        self.channel = channel  # grpc.Channel or grpc.aio.Channel
+        self.channel = channel  # grpc.Channel
         self.stub = stub
         self.session_id: str = resp.session_id
         self.epoch: str = resp.pool.epoch
@@ -121,8 +120,7 @@ class ClientBase:
 
     @property
     def local_rpc_socket(self) -> str:
-        """The local RPC socket this session's calls use ("" when they all go over gRPC; always so for
-        the asyncio client)."""
+        """The local RPC socket this session's calls use ("" when they all go over gRPC)."""
         conn = self._conn
         return conn.local.path if conn and conn.local else ""
 

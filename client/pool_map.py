@@ -1,7 +1,7 @@
 """The server's KV pool in this process: fd passing at connect, the mapping on first use.
 
 At connect the client proves its session on the server's fd-broker socket (see
-server/pool/fd_broker.py) and receives the pool's memfd. That Unix connection
+server/endpoints/fd_broker.py) and receives the pool's memfd. That Unix connection
 stays open for the session's life: the server ends our session the moment it
 closes (so a killed client's leases and unsealed blocks are reclaimed at once),
 and we see the server's death as EOF on it.

@@ -80,7 +80,13 @@ def locations(cols: pb.BlockLocations) -> list[Location]:
 
 def prefix_hit(resp: pb.QueryPrefixResponse) -> PrefixHit:
     return PrefixHit(
-        num_hits=resp.num_hits, lease_id=resp.lease_id, locations=locations(resp.locations), epoch=resp.epoch
+        num_hits=resp.num_hits,
+        lease_id=resp.lease_id,
+        locations=locations(resp.locations),
+        epoch=resp.epoch,
+        pending=resp.pending,
+        sources=tuple(_TIER.get(t, Tier.DRAM) for t in resp.sources),
+        searching=resp.searching,
     )
 
 

@@ -171,7 +171,9 @@ class PegaClient(ClientBase):
     def load_blocks(
         self, inst: InstanceHandle, lease_id: str, timeout_s: float | None = None
     ) -> list[Location]:
-        """Locations of a lease's blocks again (the PrefixHit already has them)."""
+        """Locations of a lease's leading blocks once readable: the server waits (within the timeout)
+        for the ones its PrefixHit counted as ``pending``; a block that could not be made resident
+        ends the list there."""
         req = pb.LoadBlocksRequest(instance_id=self._instance_id(inst), lease_id=lease_id)
         return codec.locations(self._call("LoadBlocks", req, timeout_s).locations)
 
@@ -217,7 +219,7 @@ class PegaClient(ClientBase):
 
     def register_device_memory(self, inst: InstanceHandle, registration, timeout_s: float | None = None):
         """Hands the server a GPU worker's KV tensors (CUDA IPC; a DeviceRegistration from
-        ``pegaflow.server.gpu.registration.export_torch_kv``); re-registered after every reconnect.
+        ``pegaflow.client.device.export_torch_kv``); re-registered after every reconnect.
 
         Returns a DeviceHandle. Raises what the server answers (FAILED_PRECONDITION -> ServerError when
         it has no GPU data path, InvalidArgument for a malformed layout) or ServerUnavailable (then
@@ -250,13 +252,14 @@ class PegaClient(ClientBase):
         """The server copies GPU blocks ``block_ids`` into the pool under ``hashes`` and seals them."""
         hashes = self._hashes(hashes)
         registration_id = self._device_id(handle)
-        out = self._ring(handle, doorbell.OP_SAVE, registration_id, hashes, block_ids, timeout_s)
+        deadline = time.monotonic() + self._timeout(timeout_s)
+        out = self._ring(handle, doorbell.OP_SAVE, registration_id, hashes, block_ids, deadline)
         if out is not None:
             return DeviceSave(out[1], out[0])
         req = pb.SaveFromDeviceRequest(
             registration_id=registration_id, block_hashes=hashes, block_ids=block_ids
         )
-        resp = self._call("SaveFromDevice", req, timeout_s)
+        resp = self._call("SaveFromDevice", req, max(deadline - time.monotonic(), 0.001))
         return DeviceSave(list(resp.statuses), resp.written)
 
     def load_to_device(
@@ -274,31 +277,31 @@ class PegaClient(ClientBase):
         hashes = self._hashes(hashes)
         purpose = QueryPurpose(purpose)
         registration_id = self._device_id(handle)
-        out = self._ring(handle, doorbell.OP_LOAD, registration_id, hashes, block_ids, timeout_s, purpose)
+        deadline = time.monotonic() + self._timeout(timeout_s)
+        out = self._ring(handle, doorbell.OP_LOAD, registration_id, hashes, block_ids, deadline, purpose)
         if out is not None:
             return out[0]
         req = pb.LoadToDeviceRequest(
             registration_id=registration_id, block_hashes=hashes, block_ids=block_ids, purpose=int(purpose)
         )
-        return self._call("LoadToDevice", req, timeout_s).num_hits
+        return self._call("LoadToDevice", req, max(deadline - time.monotonic(), 0.001)).num_hits
 
     def _ring(
-        self, handle: DeviceHandle, op: int, registration_id: str, hashes, block_ids, timeout_s, purpose=0
+        self, handle: DeviceHandle, op: int, registration_id: str, hashes, block_ids, deadline, purpose=0
     ):
-        """The request on the server's local fast path when it offers one; None means "use the RPC"."""
-        if handle.doorbell is None:
+        """The request on the server's local fast path when it offers one; None means "not sent, use
+        the RPC" (only when the server surely did not run it). Errors are the RPC's exceptions."""
+        bell = handle.doorbell
+        if bell is None:
             return None
         conn = self._require()
-        return doorbell.ring(
-            handle.doorbell,
-            op,
-            conn.session_id,
-            registration_id,
-            hashes,
-            block_ids,
-            self._timeout(timeout_s),
-            int(purpose),
-        )
+        try:
+            return bell.call(op, conn.session_id, registration_id, hashes, block_ids, deadline, int(purpose))
+        except grpc.RpcError as err:
+            exc = self._translate(err, doorbell.METHODS[op])
+        if codec.needs_reconnect(exc):
+            self._lost(conn, exc)
+        raise exc
 
     def _device_id(self, handle: DeviceHandle) -> str:
         if not handle.registration_id:
@@ -308,7 +311,7 @@ class PegaClient(ClientBase):
     def _register_device(self, conn: Connection, handle: DeviceHandle, deadline: float) -> None:
         req = registration_request(handle.registration, self._instance_id(handle.instance))
         resp = self._call("RegisterDeviceMemory", req, max(deadline - time.monotonic(), 0.001), conn=conn)
-        handle._set(resp.registration_id, resp.doorbell_socket_path)
+        handle._set(resp.registration_id, resp.doorbell_socket_path, conn.epoch)
 
     # ---------------------------------------------------------- introspection
 

@@ -3,43 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import enum
 import threading
 from typing import NamedTuple
 
 # One definition with the server (it adds validation): the client never imports server code.
 from pegaflow.common.kv_layout import KvLayout
+from pegaflow.common.wire.types import AllocStatus, Location, QueryPurpose, Tier
 
-
-class AllocStatus(enum.IntEnum):
-    """Per-block answer of ``allocate`` (same numbers as the proto enum)."""
-
-    GRANTED = 1  # write the bytes at (offset, length), then seal
-    EXISTS = 2  # already stored: nothing to write
-    IN_PROGRESS = 3  # another writer holds it: nothing to write
-    REJECTED = 4  # the admission policy said no
-    NO_SPACE = 5  # the pool is full of pinned blocks
-
-
-class Tier(enum.IntEnum):
-    DRAM = 1
-
-
-class QueryPurpose(enum.IntEnum):
-    """What a prefix query is for the server's statistics (same numbers as the proto enum).
-
-    A block should be requested once per use, however many processes then load it.
-    """
-
-    LOOKUP = 0  # a block request: counted (hits, misses, hit rate, HLL ceiling, eviction frequency)
-    LOAD = 1  # loading blocks an earlier LOOKUP counted (a worker's lease after its scheduler's lookup)
-
-
-# NamedTuples, not dataclasses: a batch has hundreds of these and a tuple is ~4x cheaper to build.
-class Location(NamedTuple):
-    offset: int
-    length: int
-    tier: Tier = Tier.DRAM
+__all__ = ["AllocStatus", "Location", "QueryPurpose", "Tier", "KvLayout"]
 
 
 class Allocation(NamedTuple):
@@ -54,10 +25,16 @@ class Allocation(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class PrefixHit:
-    num_hits: int
+    num_hits: int  # leading blocks readable in the pool now
     lease_id: str  # "" when no lease was taken (lease=False, or no hits)
-    locations: list[Location]  # one per hit, in order
+    locations: list[Location]  # one per readable hit, in order
     epoch: str  # the pool mapping these locations belong to
+    # Blocks after the readable ones that the server is making resident (SSD promotion, a peer's
+    # fetch). With a lease, ``load_blocks`` waits for them; without one, ask again later (LOAD).
+    pending: int = 0
+    sources: tuple[Tier, ...] = ()  # where each of the num_hits + pending blocks was found
+    # The server is asking other nodes for the blocks after these (ask again, with LOAD).
+    searching: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -165,7 +165,7 @@ def _bool(key: str, value: Any) -> bool:
 
 
 def _embedded(extra: Mapping[str, Any]) -> dict[str, Any]:
-    from pegaflow.server.config import parse_host_port, parse_size
+    from pegaflow.common.units import parse_host_port, parse_size
 
     out: dict[str, Any] = {}
     value = extra["embedded_pool_size"]

@@ -29,6 +29,12 @@ from pegaflow.connector.metadata import PegaConnectorMetadata, PegaHandshake
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -138,6 +144,9 @@ class PegaKVConnector(KVConnectorBase_V1):
             unsupported_reason=reason,
             server_addr=_server_address(self._cfg, self._kv_transfer_config),
             engine_id=self._kv_transfer_config.engine_id or "",
+            # vLLM zeroes new blocks while it prepares a step for some caches (Mamba, mixed
+            # precision): loads must then start after that, in start_load_kv
+            early_loads=not getattr(kv_cache_config, "needs_kv_cache_zeroing", True),
         )
 
     # ------------------------------------------------------------ handshake
@@ -181,7 +190,9 @@ class PegaKVConnector(KVConnectorBase_V1):
             map_pool=False,  # lookups only: the bytes move in the workers
         )
         self._link.start()
-        self._scheduler.set_lookup(ServerPrefixLookup(self._link, self._cfg.lookup_timeout_s))
+        self._scheduler.set_lookup(
+            ServerPrefixLookup(self._link, self._cfg.lookup_timeout_s, metrics=self._scheduler.metrics)
+        )
 
     # vLLM asks: must a preempted request with a pending hand-off be recomputed? A cache
     # never hands off KV another engine waits for: a dropped save is a future miss.
@@ -214,8 +225,9 @@ class PegaKVConnector(KVConnectorBase_V1):
         self._worker.register_kv_caches(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata):
+        # vLLM's first connector hook of every worker step, before it prepares the inputs
         if self._worker is not None and isinstance(kv_connector_metadata, PegaConnectorMetadata):
-            self._worker.handle_preemptions(kv_connector_metadata.preempted_req_ids)
+            self._worker.begin_step(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
@@ -260,6 +272,34 @@ class PegaKVConnector(KVConnectorBase_V1):
     def reset_cache(self) -> bool | None:
         # The cache is shared with other engines: one engine's reset must not clear it.
         return False
+
+    # ================================================================ stats
+    # vLLM's metrics path (stats.py): each role hands over what it counted since its last
+    # call; vLLM folds the TP ranks and the scheduler's part into one object per step.
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is not None:
+            return self._worker.metrics.take()
+        if self._scheduler is not None:
+            return self._scheduler.metrics.take()
+        return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        from pegaflow.connector.stats import PegaKVConnectorStats
+
+        return PegaKVConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        from pegaflow.connector.stats import PegaPromMetrics
+
+        return PegaPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
 def _server_address(cfg: Any, transfer: Any) -> Any:

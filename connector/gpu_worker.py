@@ -2,13 +2,13 @@
 
 When vLLM runs on CUDA, the worker does not copy bytes at all. At start it
 registers its KV tensors with the server (CUDA IPC handles, the GPU's UUID and
-where each block's bytes live, see ``pegaflow.server.gpu.registration``);
+where each block's bytes live, see ``pegaflow.common.wire.device_registration``);
 afterwards a save is one ``SaveFromDevice`` RPC (the server allocates, copies
 GPU -> pool with one batched launch, seals) and a load one ``LoadToDevice`` RPC
 (lease, copy pool -> GPU, release; when it returns the bytes are in GPU memory).
 The worker spends no CPU on copies and needs no pinned buffers.
 
-vLLM's GPU layouts, all handled by ``segments_from_strides``:
+vLLM's GPU layouts, all handled by ``segments_from_strides`` (common/wire/device_registration.py):
 
 * FlashAttention: ``[2, num_blocks, block_size, kv_heads, head_dim]`` per layer (block dim 1);
 * FlashInfer and others: ``[num_blocks, 2, block_size, kv_heads, head_dim]`` per layer,
@@ -28,8 +28,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pegaflow.server.gpu.copy_plan import LayoutError
-from pegaflow.server.gpu.registration import DeviceRegistration, export_torch_kv
+from pegaflow.client.device import DeviceRegistration, LayoutError, export_torch_kv
 
 log = logging.getLogger("vllm.pegaflow.connector.gpu_worker")
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -50,6 +51,42 @@ def plan_runs(block_ids: Sequence[int], offsets: Sequence[int], block_bytes: int
                 runs.append(Run(int(block_ids[start]), int(offsets[start]), i - start))
             start = i
     return runs
+
+
+# One unit of a load's copies: (layer, [(pool, runs)], bytes): pages of one layer only.
+CopyUnit = tuple[int, list[tuple[Any, list[Run]]], int]
+
+
+def copy_units(
+    plans: Sequence[tuple[Any, Sequence[Run]]], num_layers: int, page_bytes: int, unit_bytes: int
+) -> list[CopyUnit]:
+    """A load's copies (per pool, its runs) cut into units of at most `unit_bytes` (at least
+    one page), in layer order, so several threads can share them and each layer is complete
+    once its units are. A run longer than a unit is split; short runs are grouped."""
+    per_unit = max(1, unit_bytes // page_bytes)  # pages per unit
+    block_bytes = page_bytes * num_layers  # a stored block: every layer's page, back to back
+    pieces: list[tuple[Any, Run]] = []
+    for pool, runs in plans:
+        for run in runs:
+            for k in range(0, run.count, per_unit):
+                count = min(per_unit, run.count - k)
+                pieces.append((pool, Run(run.block_id + k, run.offset + k * block_bytes, count)))
+    units: list[CopyUnit] = []
+    for layer in range(num_layers):
+        group: list[tuple[Any, list[Run]]] = []
+        pages = 0
+        for pool, run in pieces:
+            if pages and pages + run.count > per_unit:
+                units.append((layer, group, pages * page_bytes))
+                group, pages = [], 0
+            if group and group[-1][0] is pool:
+                group[-1][1].append(run)
+            else:
+                group.append((pool, [run]))
+            pages += run.count
+        if pages:
+            units.append((layer, group, pages * page_bytes))
+    return units
 
 
 class KvPages:

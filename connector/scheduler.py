@@ -21,8 +21,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pegaflow.connector.metadata import BlockTransfer, PegaConnectorMetadata
+from pegaflow.connector.stats import StatsRecorder
+from pegaflow.connector.trace import tracer
 
 log = logging.getLogger("vllm.pegaflow.connector.scheduler")
+_trace = tracer("scheduler")  # PEGAFLOW_TRACE: per-phase spans (trace.py); off by default
 
 # Number of leading hashes present in the store, or None when the store cannot say now.
 PrefixLookup = Callable[[Sequence[bytes]], "int | None"]
@@ -84,6 +87,7 @@ class SchedulerConnector:
         self._delayed_free: list[str] = []
         self._finish_saves: list[BlockTransfer] = []  # saves of requests that just finished
         # counters for logs and tests
+        self.metrics = StatsRecorder()  # vLLM's connector stats (stats.py), scheduler side
         self.lookups = 0
         self.lookups_reused = 0
         self.hit_blocks = 0
@@ -124,6 +128,10 @@ class SchedulerConnector:
             # ask for every full block: knowing the whole stored prefix also spares saving
             # blocks that are there already
             stored = self._lookup(hashes)
+            t1 = time.monotonic()
+            self._count_lookup(len(hashes), stored, t1 - t0)
+            if _trace.enabled:
+                _trace.span("lookup", t0, t1, req=request.request_id, blocks=len(hashes), stored=stored)
             log.debug(
                 "pegaflow: lookup of %d blocks for %s: %s stored (%.1f ms)",
                 len(hashes),
@@ -138,6 +146,14 @@ class SchedulerConnector:
         if loadable <= local_blocks:
             return 0, False
         return (loadable - local_blocks) * bs, False
+
+    def _count_lookup(self, asked: int, stored: int | None, seconds: float) -> None:
+        m = self.metrics
+        m.add("lookups")
+        m.observe("lookup_seconds", seconds)
+        if stored is not None:  # a failed or skipped lookup is counted by the lookup itself
+            m.add("lookup_blocks", asked)
+            m.add("lookup_hit_blocks", min(stored, asked))
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
@@ -174,6 +190,7 @@ class SchedulerConnector:
             rid, list(block_ids[first:last]), [bytes(h) for h in request.block_hashes[first:last]]
         )
         self.hit_blocks += n_load
+        self.metrics.add("hit_tokens", num_external_tokens)
 
     # ---------------------------------------------------------------- steps
     def build_meta(self, scheduler_output: Any) -> PegaConnectorMetadata:
@@ -222,6 +239,15 @@ class SchedulerConnector:
 
         meta.preempted_req_ids = sorted(scheduler_output.preempted_req_ids or ())
         meta.delayed_free_req_ids, self._delayed_free = self._delayed_free, []
+        if _trace.enabled:
+            _trace.point(
+                "build_meta",
+                step=self._step,
+                new_reqs=len(scheduler_output.scheduled_new_reqs),
+                tokens=sum(scheduler_output.num_scheduled_tokens.values()),
+                load_blocks=sum(len(t.block_ids) for t in meta.loads),
+                save_blocks=sum(len(t.block_ids) for t in meta.saves),
+            )
         return meta
 
     def _plan_saves(self, state: _RequestState, n_scheduled: int, meta: PegaConnectorMetadata) -> None:
@@ -300,15 +326,18 @@ class ServerPrefixLookup:
     """PrefixLookup over pegaflow-server: the minimum over this engine's rank namespaces of
     the leading sealed hits (a block is usable only if every rank can load its shard)."""
 
-    def __init__(self, link: Any, timeout_s: float):
+    def __init__(self, link: Any, timeout_s: float, metrics: StatsRecorder | None = None):
+        """metrics: where lookups that were skipped (breaker open) or failed are counted."""
         self._link = link
         self._timeout_s = timeout_s
+        self._metrics = metrics or StatsRecorder()
 
     def __call__(self, hashes: Sequence[bytes]) -> int | None:
         from pegaflow.client import errors
 
         usable = self._link.usable()
         if usable is None:
+            self._metrics.add("lookups_skipped")
             return None
         client, instances = usable
         # one deadline for the whole lookup, however many ranks and batches it takes
@@ -319,9 +348,11 @@ class ServerPrefixLookup:
                 n = min(n, self._leading_hits(client, inst, hashes[:n], deadline))
             except errors.ServerUnavailable as exc:
                 self._link.report_failure(exc, "prefix lookup")
+                self._metrics.add("lookup_failures")
                 return None
             except errors.PegaflowError as exc:
                 log.warning("pegaflow: prefix lookup rejected: %s", exc)
+                self._metrics.add("lookup_failures")
                 return None
             if n == 0:
                 break

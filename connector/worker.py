@@ -4,11 +4,15 @@ Per engine step, driven by vLLM's hooks:
 
   handle_preemptions  saves still reading a preempted request's blocks finish their
                       copy or are dropped before this step may overwrite the blocks
-  start_load_kv       the step's loads start on the load thread: one lease RPC per
-                      request, then pool -> vLLM copies layer by layer
-  wait_for_layer_load waits for that layer's copies only, at most until the step's load
-                      deadline; a load that misses it is cancelled (no copy lands after
-                      that) and its blocks are reported failed, so vLLM recomputes them
+  start_load_kv       leases the step's hits (one RPC per request, on vLLM's step thread,
+                      which has nothing else to do before its first layer) and starts the
+                      load thread copying pool -> vLLM, layer by layer from the first
+  wait_for_layer_load returns once that layer landed; meanwhile the step thread copies
+                      too (the layer it needs if unclaimed, else one from the back), so
+                      the copies use the compute core instead of idling it; at most until
+                      the step's load deadline: a load that misses it is cancelled (no copy
+                      lands after that) and its blocks are reported failed, so vLLM
+                      recomputes them
   wait_for_save       the step's full blocks go to the save thread (allocate RPC,
                       vLLM -> pool copies, seal RPC), off the forward pass
   get_finished        finished requests whose saves are done give their blocks back
@@ -38,10 +42,14 @@ import torch
 
 from pegaflow.connector import mla
 from pegaflow.connector.config import ConnectorConfig
-from pegaflow.connector.kv_pages import KvPages, LayoutMismatch, Run, plan_runs
+from pegaflow.connector.kv_pages import CopyUnit, KvPages, LayoutMismatch, Run, copy_units, plan_runs
 from pegaflow.connector.metadata import BlockTransfer, PegaConnectorMetadata, PegaHandshake
 from pegaflow.connector.namespace import KvLayoutSpec
 from pegaflow.connector.server_link import ServerLink, batches
+from pegaflow.connector.stats import StatsRecorder
+from pegaflow.connector.trace import tracer
+
+_trace = tracer("worker")  # PEGAFLOW_TRACE: per-phase spans (trace.py); off by default
 
 log = logging.getLogger("vllm.pegaflow.connector.worker")
 
@@ -65,34 +73,137 @@ def _kv_transfer_cores() -> list[int]:
     return sorted({max(g) for g in groups if g})
 
 
-class _LoadJob:
-    """One step's loads. The load thread copies layer by layer under `lock`; whoever
-    cancels takes the lock too, so after cancel() returns no byte lands any more."""
+# Host-KV loads are copied in units of about this many bytes (whole pages, one layer each): two
+# threads take units in layer order, so the step thread waits at most for one unit the load
+# thread holds (2 MiB is ~0.3 ms at the ~7 GB/s one core copies here), while a unit is large
+# enough that claiming it (a lock, ~2 us) costs nothing next to its copy.
+_UNIT_BYTES = 2 << 20
 
-    def __init__(self, transfers: list[BlockTransfer], num_layers: int, deadline: float):
-        self.transfers = transfers
+
+class _LoadJob:
+    """One step's loads. Work in order: the lease RPCs (whoever claims them first: the load
+    thread, started as the step begins, or vLLM's step thread if it gets there first), then
+    copy units in layer order, each claimed by one of the two threads and copied outside the
+    lock. `close()` (and `cancel()`) stops new claims and waits for the copies in progress,
+    so after it returns no byte lands any more."""
+
+    def __init__(self, meta: PegaConnectorMetadata, num_layers: int, deadline: float):
+        self.meta = meta  # the step's metadata (a new step brings a new object)
+        self.transfers = meta.loads
         self.deadline = deadline
         self.lock = threading.Lock()
+        self.idle = threading.Condition(self.lock)  # notified when a copy ends
         self.cancelled = False
+        self.num_layers = num_layers
         self.layer_done = [threading.Event() for _ in range(num_layers)]
-        self.done = threading.Event()
+        self.done = threading.Event()  # every layer landed, or the job ended early
+        self.server_copies = False  # CUDA KV: one RPC lands every layer, no copy units
+        self.planning = False  # a thread holds the lease work
+        self.planned = threading.Event()  # the leases are done: units are claimable (or the job ended)
+        self.units: list[CopyUnit] = []  # in layer order
+        self.next_unit = 0
+        self.units_left: list[int] = [0] * num_layers  # per layer: units not landed yet
+        self.copying = 0  # copies in progress (outside the lock)
         self.layers_landed = 0
-        self.plans: list[tuple[torch.Tensor, list[Run], int]] = []  # (pool, runs, bytes per layer)
         self.missing_ids: set[int] = set()  # blocks the server no longer had, or whose lease failed
         self.leases: list[str] = []
+        self.leases_released = False
         self.landed_bytes = 0
-        # timings for the debug log (monotonic seconds)
+        # timings for the debug log and the stats (monotonic seconds)
         self.t_submit = time.monotonic()
         self.t_leased = 0.0
         self.t_landed = 0.0
-        self.waited_s = 0.0  # how long the forward waited on this job
+        self.waited_s = 0.0  # how long the step thread waited for the other thread
+        self.stall_s = 0.0  # the step thread's whole time on this job: lease, own copies, waits
 
-    def cancel(self) -> None:
+    def claim_planning(self) -> bool:
+        with self.lock:
+            if self.planning or self.cancelled:
+                return False
+            self.planning = True
+            return True
+
+    def publish(self, units: list[CopyUnit]) -> bool:
+        """The leases are done: make the copy units claimable. False if the job was closed
+        meanwhile (the caller releases the leases it took)."""
+        with self.lock:
+            if self.cancelled:
+                return False
+            self.units = units
+            for layer, _, _ in units:
+                self.units_left[layer] += 1
+            empty = [layer for layer in range(self.num_layers) if self.units_left[layer] == 0]
+            self.layers_landed = len(empty)
+            if self.layers_landed == self.num_layers:
+                self.t_landed = time.monotonic()
+        for layer in empty:  # nothing to copy for these (e.g. every lease missed)
+            self.layer_done[layer].set()
+        self.planned.set()
+        if len(empty) == self.num_layers:
+            self.done.set()
+        return True
+
+    def claim(self) -> CopyUnit | None:
+        """The next copy unit for the caller (None: all claimed, or the job is over)."""
+        with self.lock:
+            if self.cancelled or self.next_unit >= len(self.units):
+                return None
+            unit = self.units[self.next_unit]
+            self.next_unit += 1
+            self.copying += 1
+            return unit
+
+    def landed(self, layer: int, nbytes: int, ok: bool) -> None:
+        """A claimed unit's copy ended (ok: every byte of it landed)."""
+        layer_complete = job_complete = False
+        with self.lock:
+            self.copying -= 1
+            if ok:
+                self.landed_bytes += nbytes
+                self.units_left[layer] -= 1
+                if self.units_left[layer] == 0:
+                    layer_complete = True
+                    self.layers_landed += 1
+                    job_complete = self.layers_landed == self.num_layers
+                    if job_complete:
+                        self.t_landed = time.monotonic()
+            self.idle.notify_all()
+        if layer_complete:
+            self.layer_done[layer].set()
+        if job_complete:
+            self.done.set()
+
+    def add_lease(self, lease_id: str) -> bool:
+        """Record a lease to release with the job; False when the job's leases were released
+        already (a lease that came back after the step ended): the caller releases it."""
+        with self.lock:
+            if self.leases_released:
+                return False
+            self.leases.append(lease_id)
+            return True
+
+    def take_leases(self) -> list[str]:
+        """The leases to release, once (whoever ends last: the step or a late lease)."""
+        with self.lock:
+            if self.leases_released:
+                return []
+            self.leases_released = True
+            return list(self.leases)
+
+    def close(self) -> int:
+        """No claim from now on; waits for copies in progress; returns the layers landed."""
         with self.lock:
             self.cancelled = True
+            while self.copying:
+                self.idle.wait()
+            return self.layers_landed
+
+    def cancel(self) -> None:
+        self.close()
         self.finish()
 
     def finish(self) -> None:
+        self.planned.set()
         for ev in self.layer_done:
             ev.set()
         self.done.set()
@@ -124,9 +235,12 @@ class WorkerConnector:
         unsupported_reason: str = "",
         server_addr: Any = None,
         engine_id: str = "",
+        early_loads: bool = True,
     ):
         """server_addr: "host:port" or a function returning it (embedded mode); default
-        cfg.server_addr. engine_id names the embedded server of this engine."""
+        cfg.server_addr. engine_id names the embedded server of this engine. early_loads:
+        start host-KV loads as the step begins (False when vLLM zeroes newly allocated blocks
+        while preparing the step: a copy landed before that would be wiped)."""
         self.cfg = cfg
         self.server_addr = server_addr or cfg.server_addr
         self.engine_id = engine_id
@@ -141,6 +255,7 @@ class WorkerConnector:
         self.pages: KvPages | None = None  # host KV: this process copies pages
         self.gpu: Any = None  # CUDA KV: a GpuKvTransfer, the server copies
         self.link: ServerLink | None = None
+        self.early_loads = early_loads
         # CPU cores for the copy threads (host KV): set in register_kv_caches, applied when
         # the threads start (on their first job)
         self._transfer_cores: list[int] = []
@@ -156,7 +271,9 @@ class WorkerConnector:
         self._device_handle: Any = None
         self._device_retry_at = 0.0  # CUDA path: no registration attempt before this time
         self._device_refusal = ""  # the server's last refusal, logged once
-        self.stats = collections.Counter()
+        self.stats = collections.Counter()  # lifetime detail, for logs and tests
+        self.metrics = StatsRecorder()  # vLLM's connector stats (stats.py), this rank
+        self._step_t0 = 0.0  # when this step's first hook ran (for the trace)
 
     @property
     def active(self) -> bool:
@@ -215,13 +332,17 @@ class WorkerConnector:
         pages = KvPages(kv_caches, self.num_blocks, self.layer_names)
         self._check_geometry(pages.block_bytes, pages.num_layers)
         self.pages = pages
+        # The reserved cores only. Measured (bench/ttft.py, quiet machine): letting the load
+        # thread also run on the worker's own core put it beside the compute thread (half as
+        # fast, and the forward copying in its place): a warm step took 44-100 ms instead of
+        # 37-46. When the reserved core is busy, the step thread copies what it waits for.
         self._transfer_cores = _kv_transfer_cores()
 
     def _pin_transfer_thread(self) -> None:
         """vLLM pins a CPU worker (and so every thread it starts) to its compute cores and,
         when a KV connector is configured, reserves the last core of each NUMA node for the
-        connector's transfers (as its NIXL connector uses them). Copying there overlaps the
-        layer-by-layer loads with the forward instead of time-sharing its core."""
+        connector's transfers (as its NIXL connector uses them). The copy threads run there:
+        copies overlap the forward instead of time-sharing its core."""
         if not self._transfer_cores:
             return
         try:
@@ -281,19 +402,51 @@ class WorkerConnector:
         return self._device_handle
 
     # -------------------------------------------------------------- loads
+    def begin_step(self, meta: PegaConnectorMetadata) -> None:
+        """vLLM's first connector hook of a step (handle_preemptions), before it prepares the
+        step's inputs: saves still reading blocks this step may reuse are settled, then (host
+        KV) the step's loads start on the load thread, so the lease RPCs and the first copies
+        overlap vLLM's input preparation instead of following it."""
+        if _trace.enabled:
+            self._step_t0 = time.monotonic()
+        self.handle_preemptions(meta.preempted_req_ids)
+        if meta.loads and self.early_loads and self.pages is not None and self.gpu is None:
+            self._begin_loads(meta)
+
     def start_load(self, meta: PegaConnectorMetadata) -> None:
+        """vLLM's start_load_kv, right before the forward: start the step's loads unless
+        begin_step did."""
         for ids in meta.failed_loads.values():
             self._invalid_ids.update(ids)
         if not meta.loads:
             return
+        if _trace.enabled:
+            _trace.point("start_load")
+        job = self._load_job
+        if job is not None and job.meta is meta:
+            return  # started in begin_step
+        self._begin_loads(meta)
+
+    def _begin_loads(self, meta: PegaConnectorMetadata) -> None:
         if self._load_job is not None:  # the previous step did not finish its loads
             self._finish_load()
-        job = _LoadJob(meta.loads, len(self.layer_names), time.monotonic() + self.cfg.load_timeout_s)
+        job = _LoadJob(meta, len(self.layer_names), time.monotonic() + self.cfg.load_timeout_s)
         self._load_job = job
         if not self.active:
             job.finish()  # nothing lands: _finish_load reports every block
             return
-        self._load_thread.submit(self._run_load, job)
+        if self.gpu is not None:
+            job.server_copies = True
+            self._load_thread.submit(self._run_load, job)  # one RPC per request; the server copies
+            return
+        # Host KV: the load thread leases and copies from the first layer on; vLLM's step
+        # thread joins in wait_for_layer (it takes the lease work itself if the load thread
+        # has not started it, and copy units in the same order), so no copy waits for a thread
+        # that cannot get a core. Measured (bench/ttft.py, connector/README.md "Where a warm
+        # request's time goes"): copies on the load thread alone ran 5-15x slower than on the
+        # step thread under the seed's concurrent arrivals, its core being shared with the API
+        # server and EngineCore, while the forward waited and its own core idled.
+        self._load_thread.submit(self._help_load, job)
 
     def wait_for_layer(self, layer_name: str) -> None:
         job = self._load_job
@@ -302,9 +455,7 @@ class WorkerConnector:
         layer = self.layer_index.get(layer_name)
         if layer is None:
             return
-        t0 = time.monotonic()
-        landed = job.layer_done[layer].wait(max(job.deadline - t0, 0.0))
-        job.waited_s += time.monotonic() - t0
+        landed = self._await(job, layer)
         if not landed:
             log.warning(
                 "pegaflow: loads missed the %.0f ms deadline at %s; recomputing them",
@@ -312,6 +463,7 @@ class WorkerConnector:
                 layer_name,
             )
             self.stats["load_timeouts"] += 1
+            self.metrics.add("load_timeouts")
             job.cancel()
 
     def _finish_load(self) -> set[str]:
@@ -320,92 +472,176 @@ class WorkerConnector:
         job, self._load_job = self._load_job, None
         if job is None:
             return set()
-        if not job.done.wait(max(job.deadline - time.monotonic(), 0.0)):
+        if not self._await(job, None):
             self.stats["load_timeouts"] += 1
-            job.cancel()
-        with job.lock:
-            job.cancelled = True  # nothing may land after the step
-            landed = job.layers_landed
+            self.metrics.add("load_timeouts")
+        landed = job.close()  # nothing may land after the step
+        job.finish()
+        leases = job.take_leases()
+        if leases:
+            self._housekeeping.submit(self._release, leases, job.landed_bytes)
         complete = self.active and landed == len(self.layer_names)
         failed_reqs: set[str] = set()
+        m = self.metrics
         for t in job.transfers:
             missing = [b for b in t.block_ids if not complete or b in job.missing_ids]
             if missing:
                 failed_reqs.add(t.req_id)
                 self._invalid_ids.update(missing)
                 self.stats["load_failed_blocks"] += len(missing)
+                m.add("load_failed_blocks", len(missing))
             self.stats["loaded_blocks"] += len(t.block_ids) - len(missing)
+            m.add("load_blocks", len(t.block_ids) - len(missing))
+        m.add("load_bytes", job.landed_bytes)
+        if complete and job.t_landed:
+            m.observe("load_seconds", job.t_landed - job.t_submit)
+        m.observe("load_stall_seconds", job.stall_s)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "pegaflow: load of %d blocks (%.1f MiB): lease %.1f ms, copies %.1f ms, "
-                "forward waited %.1f ms",
+                "step thread busy %.1f ms of which waiting %.1f ms",
                 sum(len(t.block_ids) for t in job.transfers),
                 job.landed_bytes / 2**20,
                 (job.t_leased - job.t_submit) * 1e3 if job.t_leased else -1,
-                (job.t_landed - job.t_leased) * 1e3 if job.t_landed else -1,
+                (job.t_landed - job.t_leased) * 1e3 if job.t_landed and job.t_leased else -1,
+                job.stall_s * 1e3,
                 job.waited_s * 1e3,
             )
         return failed_reqs
 
     def _run_load(self, job: _LoadJob) -> None:
+        """CUDA KV, on the load thread: the server leases and copies (one RPC per request)."""
         assert self.link is not None
         try:
             usable = self.link.usable()
             if usable is None:
                 return  # nothing lands: every block is reported failed
             client, (inst,) = usable
-            if self.gpu is not None:
-                self._load_cuda(client, inst, job)
-            else:
-                self._load_host(client, inst, job)
+            self._load_cuda(client, inst, job)
         except Exception:
             log.exception("pegaflow: load failed unexpectedly; recomputing")
         finally:
             job.finish()
-            if job.leases:
-                self._housekeeping.submit(self._release, job.leases, job.landed_bytes)
 
-    def _load_host(self, client: Any, inst: Any, job: _LoadJob) -> None:
+    def _plan_host(self, job: _LoadJob) -> None:
+        """Host KV, by whichever thread claimed the lease work: lease every transfer's blocks
+        and cut the copies into units. Ends the job (its blocks reported failed) when nothing
+        can be copied: server unusable, lease failed on a down server, deadline passed."""
         from pegaflow.client import errors
 
         assert self.pages is not None and self.link is not None
         pages = self.pages
-        for transfer in job.transfers:
-            if job.cancelled or job.deadline <= time.monotonic():
+        plans: list[tuple[torch.Tensor, list[Run]]] = []
+        try:
+            usable = self.link.usable()
+            if usable is None:
+                job.finish()
                 return
-            n = 0
-            try:
-                locations, epoch = self._lease(client, inst, transfer.block_hashes, job)
-                if any(loc.length != pages.block_bytes for loc in locations):
-                    raise errors.PegaflowError(
-                        f"server returned locations that are not {pages.block_bytes} B"
-                    )
-                if locations:
-                    pool = self._pool_tensor(client, epoch)
-                    runs = plan_runs(
-                        transfer.block_ids[: len(locations)],
-                        [loc.offset for loc in locations],
-                        pages.block_bytes,
-                    )
-                    job.plans.append((pool, runs, len(locations) * pages.page_bytes))
-                    n = len(locations)
-            except errors.ServerUnavailable as exc:
-                self.link.report_failure(exc, "lease")
-                return
-            except errors.PegaflowError as exc:  # e.g. a stale epoch: this request recomputes
-                log.warning("pegaflow: load of request %s failed (%s); recomputing", transfer.req_id, exc)
-            job.missing_ids.update(transfer.block_ids[n:])
-        job.t_leased = time.monotonic()
-        for layer in range(pages.num_layers):
-            with job.lock:
-                if job.cancelled:
+            client, (inst,) = usable
+            for transfer in job.transfers:
+                if job.cancelled or job.deadline <= time.monotonic():
+                    job.finish()
                     return
-                for pool, runs, nbytes in job.plans:
-                    pages.load_layer(pool, runs, layer)
-                    job.landed_bytes += nbytes
-                job.layers_landed = layer + 1
-            job.layer_done[layer].set()
-        job.t_landed = time.monotonic()
+                n = 0
+                t_lease = time.monotonic()
+                try:
+                    locations, epoch = self._lease(client, inst, transfer.block_hashes, job)
+                    if _trace.enabled:
+                        _trace.span("lease", t_lease, req=transfer.req_id, blocks=len(transfer.block_hashes))
+                    if any(loc.length != pages.block_bytes for loc in locations):
+                        raise errors.PegaflowError(
+                            f"server returned locations that are not {pages.block_bytes} B"
+                        )
+                    if locations:
+                        pool = self._pool_tensor(client, epoch)
+                        runs = plan_runs(
+                            transfer.block_ids[: len(locations)],
+                            [loc.offset for loc in locations],
+                            pages.block_bytes,
+                        )
+                        plans.append((pool, runs))
+                        n = len(locations)
+                except errors.ServerUnavailable as exc:
+                    self.link.report_failure(exc, "lease")
+                    job.finish()
+                    return
+                except errors.PegaflowError as exc:  # e.g. a stale epoch: this request recomputes
+                    log.warning("pegaflow: load of request %s failed (%s); recomputing", transfer.req_id, exc)
+                job.missing_ids.update(transfer.block_ids[n:])
+        except Exception:
+            log.exception("pegaflow: load failed unexpectedly; recomputing")
+            job.finish()
+            return
+        job.t_leased = time.monotonic()
+        if not job.publish(copy_units(plans, pages.num_layers, pages.page_bytes, _UNIT_BYTES)):
+            # the step closed the job while the leases were in flight: nothing may land now
+            leases = job.take_leases()
+            if leases:
+                self._housekeeping.submit(self._release, leases, 0)
+
+    def _copy_unit(self, job: _LoadJob, unit: CopyUnit) -> None:
+        """Copy one claimed unit (GIL released inside torch's copy)."""
+        assert self.pages is not None
+        layer, pieces, nbytes = unit
+        t0 = time.monotonic()
+        ok = False
+        try:
+            for pool, runs in pieces:
+                self.pages.load_layer(pool, runs, layer)
+            ok = True
+        except Exception:
+            log.exception("pegaflow: copying a unit of layer %d failed; recomputing this step's loads", layer)
+        finally:
+            job.landed(layer, nbytes, ok)
+        if not ok:
+            job.cancel()
+        elif _trace.enabled:
+            _trace.span("load_unit", t0, layer=layer, bytes=nbytes)
+
+    def _help_load(self, job: _LoadJob) -> None:
+        """The load thread: the lease work if the step thread has not taken it, then copy
+        units until none is left."""
+        if job.claim_planning():
+            self._plan_host(job)
+        if not job.planned.wait(max(job.deadline - time.monotonic(), 0.0)):
+            return
+        while (unit := job.claim()) is not None:
+            if job.deadline <= time.monotonic():
+                job.landed(unit[0], 0, False)
+                return
+            self._copy_unit(job, unit)
+
+    def _await(self, job: _LoadJob, layer: int | None) -> bool:
+        """vLLM's step thread until `layer` (None: every layer) has landed or the deadline
+        passed, working meanwhile: the lease work if nobody has started it, then copy units in
+        order; it waits only for units the load thread holds. False on timeout."""
+        target = job.done if layer is None else job.layer_done[layer]
+        if target.is_set():
+            return True
+        started = time.monotonic()
+        waited = 0.0
+        while not target.is_set():
+            if time.monotonic() >= job.deadline:
+                break
+            if job.server_copies:  # CUDA: one RPC on the load thread, nothing to help with
+                pass
+            elif not job.planned.is_set():
+                if job.claim_planning():
+                    self._plan_host(job)
+                    continue
+            elif (unit := job.claim()) is not None:
+                self._copy_unit(job, unit)
+                continue
+            t0 = time.monotonic()
+            wait_on = target if job.server_copies or job.planned.is_set() else job.planned
+            wait_on.wait(max(job.deadline - t0, 0.0))
+            t1 = time.monotonic()
+            waited += t1 - t0
+            if _trace.enabled:
+                _trace.span("layer_wait", t0, t1, layer=-1 if layer is None else layer)
+        job.waited_s += waited
+        job.stall_s += time.monotonic() - started
+        return target.is_set()
 
     def _load_cuda(self, client: Any, inst: Any, job: _LoadJob) -> None:
         """The server leases and copies into GPU memory; all layers land at once. It never
@@ -438,10 +674,10 @@ class WorkerConnector:
                 job.layers_landed = len(self.layer_names)
         job.t_landed = time.monotonic()
 
-    @staticmethod
-    def _lease(client: Any, inst: Any, hashes: list[bytes], job: _LoadJob) -> tuple[list[Any], str]:
+    def _lease(self, client: Any, inst: Any, hashes: list[bytes], job: _LoadJob) -> tuple[list[Any], str]:
         """Pin the leading stored blocks of `hashes` (in batches the server accepts); returns
-        their locations, all of one epoch."""
+        their locations, all of one epoch. A lease granted after the step ended is released
+        at once."""
         from pegaflow.client import QueryPurpose
 
         locations: list[Any] = []
@@ -451,8 +687,9 @@ class WorkerConnector:
             hit = client.query_prefix(
                 inst, chunk, lease=True, timeout_s=_remaining(job.deadline), purpose=QueryPurpose.LOAD
             )
-            if hit.lease_id:
-                job.leases.append(hit.lease_id)
+            if hit.lease_id and not job.add_lease(hit.lease_id):
+                self._housekeeping.submit(self._release, [hit.lease_id], 0)
+                return [], hit.epoch
             if epoch and hit.epoch != epoch:
                 break  # the server restarted between two batches
             epoch = hit.epoch
@@ -469,13 +706,21 @@ class WorkerConnector:
         if usable is None:
             return  # the lease dies with its TTL or its session
         client, _ = usable
+        t0 = time.monotonic()
         for i, lease_id in enumerate(leases):
             try:
+                # one-way: the copies are done, nothing waits for the answer (a release that
+                # is lost leaves the lease to its TTL), and the server sends none
                 client.release(
-                    lease_id, loaded_bytes=loaded_bytes if i == 0 else 0, timeout_s=self.cfg.rpc_timeout_s
+                    lease_id,
+                    loaded_bytes=loaded_bytes if i == 0 else 0,
+                    timeout_s=self.cfg.rpc_timeout_s,
+                    wait=False,
                 )
             except errors.PegaflowError as exc:
                 log.debug("pegaflow: releasing lease %s failed: %s", lease_id, exc)
+        if _trace.enabled:
+            _trace.span("release", t0, leases=len(leases))
 
     def take_load_errors(self) -> set[int]:
         self._finish_load()
@@ -487,13 +732,21 @@ class WorkerConnector:
         """After the step's forward: close its loads, then queue its saves. A request whose
         load failed computed this step on missing KV, so its new blocks are not saved (the
         scheduler saves them again after the recompute)."""
+        t0 = time.monotonic()
         failed = self._finish_load() | set(meta.failed_loads)
         saves = [t for t in meta.saves if t.req_id not in failed]
         if len(saves) < len(meta.saves):
-            self.stats["save_blocks_skipped_failed_load"] += sum(
-                len(t.block_ids) for t in meta.saves if t.req_id in failed
-            )
+            skipped = sum(len(t.block_ids) for t in meta.saves if t.req_id in failed)
+            self.stats["save_blocks_skipped_failed_load"] += skipped
+            self.metrics.add("save_dropped_blocks", skipped)
         self.submit_saves(saves)
+        if _trace.enabled:
+            t1 = time.monotonic()
+            _trace.span("finish_step", t0, t1)
+            if self._step_t0:
+                loads = sum(len(t.block_ids) for t in meta.loads)
+                _trace.span("step", self._step_t0, t1, load_blocks=loads, save_blocks=len(saves))
+            self._step_t0 = 0.0
 
     def handle_preemptions(self, preempted: Iterable[str]) -> None:
         preempted = set(preempted)
@@ -537,12 +790,14 @@ class WorkerConnector:
             return
         if self.link.usable() is None:
             self.stats["save_blocks_skipped_unavailable"] += nblocks
+            self.metrics.add("save_dropped_blocks", nblocks)
             return
         ready = self.gpu.record_ready() if self.gpu is not None else None
         job = _SaveJob(block_ids, hashes, req_ids, ready)
         with self._save_lock:
             if len(self._save_jobs) > self.cfg.max_pending_saves:
                 self.stats["save_blocks_dropped_backlog"] += nblocks
+                self.metrics.add("save_dropped_blocks", nblocks)
                 return
             self._save_jobs.append(job)
             for rid in job.req_ids:
@@ -553,29 +808,34 @@ class WorkerConnector:
         from pegaflow.client import errors
 
         assert self.link is not None
+        t0 = time.monotonic()
         try:
             usable = self.link.usable()
             if usable is None or job.cancelled:
+                if usable is None:
+                    self.metrics.add("save_dropped_blocks", len(job.hashes))
                 return
             client, (inst,) = usable
             if self.gpu is not None:
-                self._save_cuda(client, inst, job)
-                return
-            start = 0
-            for chunk in batches(job.hashes, client):
-                ids = job.block_ids[start : start + len(chunk)]
-                start += len(chunk)
-                if not self._save_batch(client, inst, job, ids, chunk):
+                if not self._save_cuda(client, inst, job):
                     return
+            else:
+                start = 0
+                for chunk in batches(job.hashes, client):
+                    ids = job.block_ids[start : start + len(chunk)]
+                    start += len(chunk)
+                    if not self._save_batch(client, inst, job, ids, chunk):
+                        return
+            self.metrics.observe("save_seconds", time.monotonic() - t0)
         except errors.ServerUnavailable as exc:
             self.link.report_failure(exc, "save")
-            self.stats["save_jobs_failed"] += 1
+            self._save_failed()
         except errors.PegaflowError as exc:
             log.warning("pegaflow: save failed: %s", exc)
-            self.stats["save_jobs_failed"] += 1
+            self._save_failed()
         except Exception:
             log.exception("pegaflow: save failed unexpectedly")
-            self.stats["save_jobs_failed"] += 1
+            self._save_failed()
         finally:
             with self._save_lock:
                 self._save_jobs.remove(job)
@@ -584,6 +844,10 @@ class WorkerConnector:
                     if self._pending_saves[rid] <= 0:
                         del self._pending_saves[rid]
 
+    def _save_failed(self) -> None:
+        self.stats["save_jobs_failed"] += 1
+        self.metrics.add("save_failures")
+
     def _save_batch(
         self, client: Any, inst: Any, job: _SaveJob, block_ids: list[int], hashes: list[bytes]
     ) -> bool:
@@ -591,9 +855,13 @@ class WorkerConnector:
         from pegaflow.client import errors
 
         assert self.pages is not None
+        t0 = time.monotonic()
         batch = client.allocate(inst, hashes, timeout_s=self.cfg.rpc_timeout_s)
+        if _trace.enabled:
+            _trace.span("save_allocate", t0, blocks=len(hashes))
         granted = [i for i, a in enumerate(batch.allocations) if a.granted]
         self.stats["save_blocks_deduplicated"] += len(hashes) - len(granted)
+        self.metrics.add("save_deduplicated_blocks", len(hashes) - len(granted))
         if not granted or not batch.save_id:
             return True
         sealed = False
@@ -606,38 +874,51 @@ class WorkerConnector:
                 [batch.allocations[i].offset for i in granted],
                 self.pages.block_bytes,
             )
+            t1 = time.monotonic()
             with job.lock:
                 if job.cancelled:
                     return False
                 self.pages.save_blocks(pool, runs)
             del pool
+            t2 = time.monotonic()
             client.seal(batch.save_id, timeout_s=self.cfg.rpc_timeout_s)
+            if _trace.enabled:
+                _trace.span("save_copy", t1, t2, blocks=len(granted))
+                _trace.span("save_seal", t2)
             sealed = True
             self.stats["saved_blocks"] += len(granted)
+            self.metrics.add("save_blocks", len(granted))
+            self.metrics.add("save_bytes", len(granted) * self.pages.block_bytes)
             return True
         finally:
             if not sealed:
                 self._abort_quietly(client, batch.save_id)
 
-    def _save_cuda(self, client: Any, inst: Any, job: _SaveJob) -> None:
+    def _save_cuda(self, client: Any, inst: Any, job: _SaveJob) -> bool:
         """One SaveFromDevice per batch: the server allocates, copies from GPU memory, seals.
         Held under the job lock: a preemption waits for the copy rather than let the
-        server read blocks the next forward overwrites (bounded by rpc_timeout_ms)."""
+        server read blocks the next forward overwrites (bounded by rpc_timeout_ms).
+        False when nothing was saved (no device registration, or cancelled)."""
         handle = self._device_handle_for(client, inst)
         if handle is None:
             self.stats["save_blocks_skipped_unavailable"] += len(job.hashes)
-            return
+            self.metrics.add("save_dropped_blocks", len(job.hashes))
+            return False
         start = 0
         for chunk in batches(job.hashes, client):
             ids = job.block_ids[start : start + len(chunk)]
             start += len(chunk)
             with job.lock:
                 if job.cancelled:
-                    return
+                    return False
                 result = self.gpu.save(client, handle, chunk, ids, self.cfg.rpc_timeout_s, ready=job.ready)
             written = int(result[1]) if isinstance(result, tuple) else int(getattr(result, "written", 0))
             self.stats["saved_blocks"] += written
             self.stats["save_blocks_deduplicated"] += len(chunk) - written
+            self.metrics.add("save_blocks", written)
+            self.metrics.add("save_bytes", written * self.gpu.block_bytes)
+            self.metrics.add("save_deduplicated_blocks", len(chunk) - written)
+        return True
 
     def _abort_quietly(self, client: Any, save_id: str) -> None:
         from pegaflow.client import errors

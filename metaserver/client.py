@@ -25,7 +25,15 @@ import grpc
 
 from pegaflow.metaserver import errors
 from pegaflow.metaserver import validation as check
-from pegaflow.metaserver.types import NamespaceDelta, NodeHit, NodeStats, PublishResult
+from pegaflow.metaserver.types import (
+    LEADER_ADDRESS_KEY,
+    LEADER_TERM_KEY,
+    NamespaceDelta,
+    NodeHit,
+    NodeStats,
+    PublishOutcome,
+    PublishResult,
+)
 from pegaflow.proto import metaserver_pb2 as pb
 from pegaflow.proto import metaserver_pb2_grpc as pb_grpc
 
@@ -37,6 +45,17 @@ class Registration:
     lease_id: str
     lease_ttl_s: float
     heartbeat_interval_s: float
+    term: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaderInfo:
+    """What GetLeader says: whether the replica asked serves, and the leader it knows."""
+
+    is_leader: bool
+    leader_address: str
+    term: int
+    replica_address: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +67,10 @@ class Stats:
     max_entries: int
     evicted_entries: int
     expired_nodes: int
+    duplicate_batches: int = 0
+    stale_batches: int = 0
+    sequence_gaps: int = 0
+    term: int = 0
 
 
 def _target(addr: str) -> str:
@@ -58,9 +81,22 @@ def _target(addr: str) -> str:
     return addr
 
 
+def _trailing(exc: grpc.RpcError) -> dict[str, str]:
+    try:
+        return {k: v for k, v in (exc.trailing_metadata() or ()) if isinstance(v, str)}
+    except Exception:  # a locally raised RpcError has no metadata
+        return {}
+
+
 def _translate(exc: grpc.RpcError) -> errors.MetaServerError:
     code = exc.code() if hasattr(exc, "code") else None
     detail = exc.details() if hasattr(exc, "details") else str(exc)
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        meta = _trailing(exc)
+        term = meta.get(LEADER_TERM_KEY, "0")
+        return errors.NotLeader(detail, meta.get(LEADER_ADDRESS_KEY, ""), int(term) if term.isdigit() else 0)
+    if code == grpc.StatusCode.ABORTED:
+        return errors.StaleIncarnation(detail)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return errors.DeadlineExceeded(detail or "deadline exceeded")
     if code == grpc.StatusCode.UNAVAILABLE or code == grpc.StatusCode.CANCELLED:
@@ -122,22 +158,40 @@ class MetaClient:
     # ------------------------------------------------------------- membership
 
     def register(
-        self, node_id: str, address: str, lease_ttl_s: float | None = None, timeout_s: float | None = None
+        self,
+        node_id: str,
+        address: str,
+        lease_ttl_s: float | None = None,
+        timeout_s: float | None = None,
+        incarnation: int = 0,
     ) -> Registration:
         self._checked(check.node_id, node_id)
         self._checked(check.address, address)
         ttl_ms = 0 if lease_ttl_s is None else max(1, int(lease_ttl_s * 1000))
         reply = self._call(
             self._stub.RegisterNode,
-            pb.RegisterNodeRequest(node_id=node_id, address=address, lease_ttl_ms=ttl_ms),
+            pb.RegisterNodeRequest(
+                node_id=node_id, address=address, lease_ttl_ms=ttl_ms, incarnation=incarnation
+            ),
             timeout_s,
         )
-        return Registration(reply.lease_id, reply.lease_ttl_ms / 1000.0, reply.heartbeat_interval_ms / 1000.0)
+        return Registration(
+            reply.lease_id, reply.lease_ttl_ms / 1000.0, reply.heartbeat_interval_ms / 1000.0, reply.term
+        )
 
     def heartbeat(self, lease_id: str, timeout_s: float | None = None) -> int:
         """Renews the lease; returns the entries the index holds for this node."""
+        return self.heartbeat_term(lease_id, timeout_s)[0]
+
+    def heartbeat_term(self, lease_id: str, timeout_s: float | None = None) -> tuple[int, int]:
+        """Renews the lease; returns (entries the index holds for this node, the leader's term)."""
         reply = self._call(self._stub.Heartbeat, pb.HeartbeatRequest(lease_id=lease_id), timeout_s)
-        return reply.entries
+        return reply.entries, reply.term
+
+    def get_leader(self, timeout_s: float | None = None) -> LeaderInfo:
+        """Asks this replica who leads (any replica answers, leader or not)."""
+        reply = self._call(self._stub.GetLeader, pb.GetLeaderRequest(), timeout_s)
+        return LeaderInfo(reply.is_leader, reply.leader_address, reply.term, reply.replica_address)
 
     def unregister(self, lease_id: str, timeout_s: float | None = None) -> None:
         self._call(self._stub.UnregisterNode, pb.UnregisterNodeRequest(lease_id=lease_id), timeout_s)
@@ -157,7 +211,8 @@ class MetaClient:
     def publish_deltas(
         self, lease_id: str, deltas: Sequence[NamespaceDelta], timeout_s: float | None = None
     ) -> PublishResult:
-        """Publishes any number of keys: calls of <= MAX_KEYS_PER_CALL hashes, each with a deadline."""
+        """Publishes any number of keys, unsequenced, in calls of <= MAX_KEYS_PER_CALL hashes (each with a
+        deadline)."""
         for delta in deltas:
             self._checked(check.namespace, delta.namespace)
             self._checked(check.block_hashes, delta.added, "added", len(delta.added))
@@ -169,6 +224,30 @@ class MetaClient:
             removed += reply.removed
             evicted += reply.evicted
         return PublishResult(added, removed, evicted)
+
+    def publish_batch(
+        self,
+        lease_id: str,
+        deltas: Sequence[NamespaceDelta],
+        incarnation: int,
+        sequence: int,
+        timeout_s: float | None = None,
+    ) -> tuple[PublishResult, int]:
+        """One sequenced PublishBlocks call (<= MAX_KEYS_PER_CALL hashes, <= MAX_DELTAS_PER_CALL deltas,
+        checked by the server); returns (its result, the leader's term). Deltas are applied in order."""
+        request = pb.PublishBlocksRequest(
+            lease_id=lease_id,
+            incarnation=incarnation,
+            sequence=sequence,
+            deltas=[
+                pb.NamespaceDelta(namespace=d.namespace, added=d.added, removed=d.removed) for d in deltas
+            ],
+        )
+        reply = self._call(self._stub.PublishBlocks, request, timeout_s)
+        outcome = PublishOutcome(reply.outcome) if reply.outcome else PublishOutcome.APPLIED
+        return PublishResult(
+            reply.added, reply.removed, reply.evicted, outcome, reply.expected_sequence
+        ), reply.term
 
     @staticmethod
     def _publish_requests(lease_id: str, deltas: Sequence[NamespaceDelta]):
@@ -198,9 +277,19 @@ class MetaClient:
         timeout_s: float | None = None,
     ) -> list[NodeHit]:
         """Nodes holding the leading blocks of ``block_hashes``, most first (lists cut to the limit)."""
+        return self.locate_term(namespace, block_hashes, exclude_node_id, timeout_s)[0]
+
+    def locate_term(
+        self,
+        namespace: str,
+        block_hashes: Sequence[bytes],
+        exclude_node_id: str = "",
+        timeout_s: float | None = None,
+    ) -> tuple[list[NodeHit], int]:
+        """``locate`` and the term of the leader that answered."""
         hashes = list(block_hashes[: check.MAX_KEYS_PER_CALL])
         if not hashes:
-            return []
+            return [], 0
         self._checked(check.namespace, namespace)
         self._checked(check.block_hashes, hashes, "block_hashes")
         reply = self._call(
@@ -208,7 +297,7 @@ class MetaClient:
             pb.LocateRequest(namespace=namespace, block_hashes=hashes, exclude_node_id=exclude_node_id),
             timeout_s,
         )
-        return [NodeHit(n.node_id, n.address, n.num_blocks) for n in reply.nodes]
+        return [NodeHit(n.node_id, n.address, n.num_blocks) for n in reply.nodes], reply.term
 
     def stats(self, timeout_s: float | None = None) -> Stats:
         reply = self._call(self._stub.GetStats, pb.GetStatsRequest(), timeout_s)
@@ -220,6 +309,10 @@ class MetaClient:
             max_entries=reply.max_entries,
             evicted_entries=reply.evicted_entries,
             expired_nodes=reply.expired_nodes,
+            duplicate_batches=reply.duplicate_batches,
+            stale_batches=reply.stale_batches,
+            sequence_gaps=reply.sequence_gaps,
+            term=reply.term,
         )
 
 

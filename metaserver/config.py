@@ -18,7 +18,7 @@ class MetaServerConfig:
     addr: str = "0.0.0.0:50056"
     # None: no HTTP endpoint (in-process tests); the CLI always sets one.
     http_addr: str | None = "127.0.0.1:9092"
-    # Distinct block keys the index holds before dropping the oldest (~250 bytes each).
+    # Slots of the index table (52 bytes each with up to 64 nodes, +8 per further 64; index.py).
     max_entries: int = 1_000_000
     max_nodes: int = 1024
     # Lease granted when a node asks for none, and the bounds of what it may ask.
@@ -32,6 +32,14 @@ class MetaServerConfig:
     max_concurrent_rpcs: int = 256
     # Lease expiry checks and index sweeps run this often.
     maintenance_interval_s: float = 0.25
+    # Replicas: empty = the one embedded metaserver (no etcd), always the leader.
+    etcd_endpoints: tuple[str, ...] = ()
+    etcd_prefix: str = "/pegaflow/metaserver"
+    # The leader's etcd lease (whole seconds, >= 2): how long a dead leader blocks failover.
+    leader_ttl_s: int = 2
+    # What standbys and etcd name as this replica's address; "" = the address bound (a
+    # wildcard host is replaced by this host's name).
+    advertise_addr: str = ""
 
     def validate(self) -> None:
         parse_host_port(self.addr)
@@ -48,5 +56,9 @@ class MetaServerConfig:
             )
         if self.default_rpc_deadline_s <= 0 or self.maintenance_interval_s <= 0:
             raise ValueError("deadlines and intervals must be positive")
+        if self.etcd_endpoints and (int(self.leader_ttl_s) != self.leader_ttl_s or self.leader_ttl_s < 2):
+            raise ValueError(f"leader_ttl_s must be a whole number of seconds >= 2, got {self.leader_ttl_s}")
+        if self.advertise_addr:
+            parse_host_port(self.advertise_addr)
         if self.grpc_workers < 1 or self.max_concurrent_rpcs < 1:
             raise ValueError("grpc_workers and max_concurrent_rpcs must be at least 1")

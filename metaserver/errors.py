@@ -33,3 +33,16 @@ class ResourceExhausted(MetaServerError):
 
 class ServerError(MetaServerError):
     """The metaserver failed internally."""
+
+
+class NotLeader(MetaServerError):
+    """The replica asked is not the serving leader; ``leader_address`` names the one it knows ("" if none)."""
+
+    def __init__(self, message: str, leader_address: str = "", term: int = 0) -> None:
+        super().__init__(message)
+        self.leader_address = leader_address
+        self.term = term
+
+
+class StaleIncarnation(MetaServerError):
+    """A newer incarnation of this node holds the registration (this process is a zombie of an old start)."""

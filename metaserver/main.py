@@ -1,6 +1,11 @@
 """pegaflow-metaserver: the approximate global index of which node holds which KV blocks.
 
     pegaflow-metaserver [--addr 0.0.0.0:50056] [--http-addr 127.0.0.1:9092] [--log-level info]
+    pegaflow-metaserver --etcd-endpoints etcd-a:2379,etcd-b:2379,etcd-c:2379 --advertise-addr this-host:50056
+
+Without --etcd-endpoints it is the only metaserver (the embedded default). With
+them it is one replica of several: the one holding the etcd leadership key
+serves, the others answer FAILED_PRECONDITION naming the leader.
 
 When everything listens it prints one JSON line on stdout,
 {"event": "ready", "addr": ..., "http_addr": ...}, so a supervisor (or a test)
@@ -20,10 +25,30 @@ from pegaflow.common.cli import (
     add_log_level_flag,
     checked_by,
     configure_logging,
+    parsed_by,
     positive_seconds,
 )
 from pegaflow.metaserver.config import MetaServerConfig, parse_host_port
 from pegaflow.metaserver.runtime import start_metaserver
+
+
+def _etcd_endpoints(text: str) -> tuple[str, ...]:
+    # The same rules as leadership/etcd.py (not imported here: it needs the etcd client).
+    endpoints = []
+    for part in text.split(","):
+        part = part.strip().removeprefix("http://")
+        host, port = parse_host_port(part)
+        if not host or port == 0:
+            raise ValueError(f"expected host:port[,host:port...], got {text!r}")
+        endpoints.append(part)
+    return tuple(endpoints)
+
+
+def _leader_ttl(text: str) -> int:
+    if not text.isdigit() or int(text) < 2:
+        raise argparse.ArgumentTypeError(f"must be a whole number of seconds >= 2, got {text!r}")
+    return int(text)
+
 
 log = logging.getLogger("pegaflow.metaserver")
 
@@ -64,8 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=defaults.max_entries,
         metavar="N",
-        help="distinct block keys the index holds; beyond it the longest-unpublished keys are evicted "
-        "(counted in pegaflow_meta_evicted_entries). About 250 bytes of memory each (default %(default)s)",
+        help="slots of the index table (rounded down to a multiple of 8): the most distinct block keys it "
+        "holds; a key whose two buckets are full evicts the longest-unpublished of their 16 slots (counted "
+        "in pegaflow_meta_evicted_entries). 52 bytes of memory each with up to 64 nodes, 8 more per further "
+        "64 nodes (default %(default)s)",
     )
     p.add_argument(
         "--max-nodes",
@@ -84,6 +111,37 @@ def build_parser() -> argparse.ArgumentParser:
         f"its entries expire. Nodes may ask for {defaults.min_lease_ttl_s:g}..{defaults.max_lease_ttl_s:g} s "
         "(default %(default)s)",
     )
+    p.add_argument(
+        "--etcd-endpoints",
+        type=parsed_by(_etcd_endpoints),
+        default=(),
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="run as one replica of several, elected through this etcd cluster (client URLs of its "
+        "members). Unset: the only metaserver, no etcd (default)",
+    )
+    p.add_argument(
+        "--etcd-prefix",
+        default=defaults.etcd_prefix,
+        help="etcd key prefix of this metaserver cluster; its leader key is PREFIX/leader "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--leader-ttl",
+        type=_leader_ttl,
+        default=defaults.leader_ttl_s,
+        metavar="SECONDS",
+        help="the leader's etcd lease: a leader that cannot renew it within this many seconds stops serving, "
+        "and a dead leader is replaced about this long after it died (whole seconds >= 2; default "
+        "%(default)s)",
+    )
+    p.add_argument(
+        "--advertise-addr",
+        type=checked_by(parse_host_port),
+        default=None,
+        metavar="HOST:PORT",
+        help="the address nodes are redirected to when this replica leads (default: the address bound, a "
+        "wildcard host replaced by this host's name)",
+    )
     add_log_level_flag(p)
     return p
 
@@ -98,12 +156,23 @@ def config_from_args(args: argparse.Namespace) -> MetaServerConfig:
         lease_ttl_s=args.lease_ttl,
         min_lease_ttl_s=min(defaults.min_lease_ttl_s, args.lease_ttl),
         max_lease_ttl_s=max(defaults.max_lease_ttl_s, args.lease_ttl),
+        etcd_endpoints=args.etcd_endpoints,
+        etcd_prefix=args.etcd_prefix,
+        leader_ttl_s=args.leader_ttl,
+        advertise_addr=args.advertise_addr or "",
     )
+
+
+# A thread that wants the GIL waits up to this long for the one holding it. Python's 5 ms
+# default put a Locate behind a 16384-key publish for 25-30 ms at p99 (bench/metaserver_bench.py,
+# "locate_under_publish"); at 0.5 ms it is a few ms.
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     configure_logging(args.log_level)
     config = config_from_args(args)
     try:
@@ -121,7 +190,15 @@ def main(argv: list[str] | None = None) -> int:
         config.lease_ttl_s,
     )
     print(
-        json.dumps({"event": "ready", "addr": running.address, "http_addr": running.http_address}),
+        json.dumps(
+            {
+                "event": "ready",
+                "addr": running.address,
+                "http_addr": running.http_address,
+                "advertise_addr": running.leadership.advertise_address,
+                "etcd": bool(config.etcd_endpoints),
+            }
+        ),
         flush=True,
     )
     try:

@@ -6,16 +6,21 @@ entries, evictions, expiries) is read at scrape time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pegaflow.metaserver.index import GlobalIndex
+from pegaflow.metaserver.leadership.base import Leadership
 
 RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
 
 
 class MetaServerMetrics:
-    def __init__(self, index: GlobalIndex) -> None:
+    """``index`` is a callable: each term a replica wins has an index of its own."""
+
+    def __init__(self, index: Callable[[], GlobalIndex], leadership: Leadership | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.rpc_duration = Histogram(
             "pegaflow_meta_rpc_duration_seconds",
@@ -36,7 +41,7 @@ class MetaServerMetrics:
             buckets=(0, 1, 4, 16, 64, 256, 1024, 4096, 16384),
             registry=self.registry,
         )
-        self.registry.register(_IndexCollector(index))
+        self.registry.register(_IndexCollector(index, leadership))
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
         self.rpc_duration.labels(method).observe(seconds)
@@ -44,11 +49,33 @@ class MetaServerMetrics:
 
 
 class _IndexCollector:
-    def __init__(self, index: GlobalIndex) -> None:
+    def __init__(self, index: Callable[[], GlobalIndex], leadership: Leadership | None) -> None:
         self._index = index
+        self._leadership = leadership
 
     def collect(self):
-        stats = self._index.stats()
+        stats = self._index().stats()
+        if self._leadership is not None:
+            view = self._leadership.view()
+            yield GaugeMetricFamily(
+                "pegaflow_meta_is_leader",
+                "1 while this replica serves as the leader",
+                value=int(view.serving()),
+            )
+            yield GaugeMetricFamily("pegaflow_meta_term", "The current leader's term", value=view.term)
+            for name, value in self._leadership.stats().items():
+                yield CounterMetricFamily(
+                    f"pegaflow_meta_leadership_{name}", f"Leadership: {name}", value=value
+                )
+        batches = CounterMetricFamily(
+            "pegaflow_meta_dropped_batches",
+            "Publish batches dropped, by reason (this term's index)",
+            labels=["reason"],
+        )
+        batches.add_metric(["duplicate"], stats.duplicate_batches)
+        batches.add_metric(["stale_incarnation"], stats.stale_batches)
+        batches.add_metric(["sequence_gap"], stats.sequence_gaps)
+        yield batches
         yield GaugeMetricFamily("pegaflow_meta_nodes", "Nodes with a live lease", value=len(stats.nodes))
         yield GaugeMetricFamily(
             "pegaflow_meta_entries", "Distinct block keys in the index", value=stats.entries

@@ -13,7 +13,7 @@ KIB = 1 << 10
 MIB = 1 << 20
 GIB = 1 << 30
 TIB = 1 << 40
-MIN_POOL_BYTES = 4 * MIB  # one slab of the smallest size (pool/allocator.py)
+MIN_POOL_BYTES = 4 * MIB  # one slab of the smallest size (tiers/dram/allocator.py)
 
 _SIZE_UNITS = {
     "b": 1,
@@ -102,6 +102,19 @@ def parse_host_port(text: str) -> tuple[str, int]:
     return m.group(1), port
 
 
+def routable(host: str) -> bool:
+    """Whether another node could dial ``host``: not a wildcard, loopback or localhost."""
+    import ipaddress
+
+    if host in ("localhost", "") or host.startswith("localhost."):
+        return False
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return True  # a host name: the operator's DNS decides
+    return not (ip.is_unspecified or ip.is_loopback)
+
+
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
     """Everything a running server needs. Defaults are the production defaults."""
@@ -112,6 +125,12 @@ class ServerConfig:
     use_hugepages: bool = False
     # Back the pool with a file in this tmpfs / hugetlbfs mount instead of an anonymous memfd.
     pool_dir: str | None = None
+    # Keep that file (and a journal of its sealed blocks) across restarts: the next server re-adopts
+    # the blocks whose bytes still match their checksums (tiers/dram/journal.py).
+    persist_pool: bool = False
+    # Every sealed block is hashed (XXH3-64) off the request path; needed by persist_pool (None: on
+    # exactly when the pool persists).
+    block_checksums: bool | None = None
     enable_lfu_admission: bool = False
     hll_windows: dict[str, float] = dataclasses.field(
         default_factory=lambda: {"15m": 900.0, "1h": 3600.0, "24h": 86400.0}
@@ -123,7 +142,7 @@ class ServerConfig:
     lease_ttl_s: float = 30.0  # default when the client asks for 0
     max_lease_ttl_s: float = 600.0
     write_timeout_s: float = 60.0  # granted-but-unsealed blocks are freed after this
-    # Allocator slab size; None picks one from the pool size (see pool/README.md).
+    # Allocator slab size; None picks one from the pool size (see tiers/dram/README.md).
     slab_bytes: int | None = None
     max_batch_blocks: int = 4096  # hashes per QueryPrefix / AllocateBlocks / SealBlocks
     # Per session: bounds what one buggy client can pile up (leases and saves also expire).
@@ -136,6 +155,36 @@ class ServerConfig:
     reaper_interval_s: float = 0.2
     # GPU data path (server/gpu), used when CuPy and a GPU are present: auto | direct | staged; off = no CUDA.
     gpu_copy_mode: str = "auto"
+    # ---- L3: the SSD tier (server/tiers/ssd). No paths: no SSD tier, the server is DRAM only.
+    ssd_cache_paths: tuple[str, ...] = ()  # files or directories; several are striped
+    ssd_cache_capacity_bytes: int = 0  # total over the paths (required with paths)
+    ssd_write_policy: str = "on-reuse"  # policy/placement.py: on-seal | on-reuse | off
+    ssd_io_engine: str = "auto"  # auto | io_uring | threads
+    ssd_segment_bytes: int = 0  # 0: the tier's default
+    ssd_queue_depth: int = 0  # I/Os in flight per path; 0: the tier's default
+    # Bytes being promoted (SSD -> DRAM) / written (DRAM -> SSD) at once; beyond them a hit is a miss /
+    # a block is not written (counted), never a wait.
+    promote_inflight_bytes: int = 1 << 30
+    demote_inflight_bytes: int = 256 << 20
+    # Namespaces no instance uses and no block belongs to are forgotten after this long (bounded
+    # memory and metric series however many layouts clients cycle through); at most max_namespaces.
+    namespace_idle_s: float = 60.0
+    max_namespaces: int = 4096
+    # Per-session quotas, as fractions of the pool (review finding F8: one client pinning or reserving
+    # the whole pool starved the others). A lease is cut to what fits; a save beyond its room gets
+    # REJECTED for the blocks over it. The server's own in-process sessions are exempt.
+    session_leased_fraction: float = 0.5
+    session_unsealed_fraction: float = 0.5
+    # ---- L2: other nodes' DRAM (server/peers/). No metaserver: this node neither publishes nor pulls.
+    metaserver_addr: str | None = None  # host:port[,host:port...] | etcd://host:port[,...][/prefix]
+    nics: tuple[str, ...] = ()  # RDMA devices; none (or none usable): TCP
+    peer_transport: str = "auto"  # auto | tcp | rdma
+    peer_streams: int = 4  # TCP streams per peer
+    peer_data_addr: str | None = None  # where the peer data plane listens (default: --addr's host, port 0)
+    peer_fetch_deadline_s: float = 10.0  # one pull from a peer, end to end
+    peer_transfer_ttl_s: float = 30.0  # how long a peer keeps blocks pinned for one of our pulls
+    peer_max_fetch_bytes: int = 4 << 30  # the most one pull moves
+    peer_inflight_bytes: int = 8 << 30  # bytes being pulled at once
 
     def __post_init__(self) -> None:
         if not isinstance(self.pool_size_bytes, int) or self.pool_size_bytes <= 0:
@@ -144,6 +193,10 @@ class ServerConfig:
             raise ValueError(f"the pool must be at least {format_size(MIN_POOL_BYTES)} (one allocator slab)")
         if self.slab_bytes is not None and not 0 < self.slab_bytes <= self.pool_size_bytes:
             raise ValueError("slab_bytes must be positive and no larger than the pool")
+        if self.persist_pool and not self.pool_dir:
+            raise ValueError("--persist-pool needs --pool-dir (a tmpfs or hugetlbfs mount)")
+        if self.persist_pool and self.block_checksums is False:
+            raise ValueError("--persist-pool needs block checksums: a restarted server verifies every block")
         if self.use_hugepages and self.pool_dir:
             raise ValueError("--use-hugepages and --pool-dir exclude each other (mount hugetlbfs for both)")
         parse_host_port(self.addr)
@@ -161,6 +214,37 @@ class ServerConfig:
             raise ValueError("max_batch_blocks must be in 1..65536")
         if not 1 <= self.max_hash_bytes <= 1024:
             raise ValueError("max_hash_bytes must be in 1..1024")
+        if not isinstance(self.ssd_cache_paths, tuple):
+            object.__setattr__(self, "ssd_cache_paths", tuple(self.ssd_cache_paths))
+        if self.ssd_cache_paths and self.ssd_cache_capacity_bytes <= 0:
+            raise ValueError("--ssd-cache-capacity is required with --ssd-cache-path (e.g. 512gb)")
+        if self.ssd_cache_capacity_bytes and not self.ssd_cache_paths:
+            raise ValueError("--ssd-cache-capacity needs at least one --ssd-cache-path")
+        if self.ssd_write_policy not in ("on-seal", "on-reuse", "off"):
+            raise ValueError(f"ssd_write_policy must be on-seal, on-reuse or off: {self.ssd_write_policy!r}")
+        if self.ssd_io_engine not in ("auto", "io_uring", "threads"):
+            raise ValueError(f"ssd_io_engine must be auto, io_uring or threads, got {self.ssd_io_engine!r}")
+        if not isinstance(self.nics, tuple):
+            object.__setattr__(self, "nics", tuple(self.nics))
+        if self.metaserver_addr is not None:
+            host, _ = parse_host_port(self.addr)
+            if not routable(host):
+                raise ValueError(
+                    f"--addr {self.addr}: with --metaserver-addr, peers dial this address to fetch blocks, "
+                    "so it must be this node's routable address (not 0.0.0.0, ::, 127.x or localhost)"
+                )
+            if self.peer_transfer_ttl_s <= self.peer_fetch_deadline_s:
+                raise ValueError("--peer-transfer-ttl must be longer than --peer-fetch-deadline")
+        if self.peer_transport not in ("auto", "tcp", "rdma"):
+            raise ValueError(f"peer_transport must be auto, tcp or rdma: {self.peer_transport!r}")
+        if self.peer_data_addr is not None:
+            parse_host_port(self.peer_data_addr)
+        for field in ("session_leased_fraction", "session_unsealed_fraction"):
+            if not 0 < getattr(self, field) <= 1:
+                raise ValueError(f"{field} must be in (0, 1]")
+        for field in ("promote_inflight_bytes", "demote_inflight_bytes"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"{field} must be positive")
 
     @property
     def heartbeat_interval_s(self) -> float:

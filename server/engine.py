@@ -1,90 +1,69 @@
-"""KVEngine: the pool, the block index, the eviction policy, sessions, leases and saves, composed.
+"""KVEngine: the facade the RPC endpoints and the embedded mode call.
 
-No gRPC here: the servicer is a thin translation layer over this class, and
-the connector's embedded mode runs it in-process. The engine hands out and
-takes back *locations* in the pool; it never moves KV bytes itself. Whoever
-writes or reads them (a client through its mapping today, a server-side GPU
-copier driving CUDA IPC handles later) uses the same allocate -> seal and
-query(lease) -> release calls, so bookkeeping and copying stay separate.
+It composes three parts and adds the lock, deadlines and accounting:
 
-Concurrency: one lock guards the index, the allocator, the sessions, leases and
-saves; every critical section is a short loop over one request's blocks. The
-policy has its own lock and is only entered *after* the engine lock (never the
-reverse). Frequency signals (record_lookups, on_access) and metrics/HLL
-observations are issued after the engine lock is released, so they cannot
-stall other requests. Each public method takes an optional ``deadline``
-(time.monotonic() value) and raises DeadlineExceeded rather than finishing late.
+- ``ClientRegistry`` (server/clients/): sessions, instances, leases, saves,
+  tombstones — who is connected and what each of them holds;
+- ``BlockStore`` (server/store/): the block index, the tiers' space, eviction,
+  demotion and promotion decisions;
+- ``TierMover`` (server/movers/): runs the store's planned transfers off the lock.
+
+No gRPC here: the servicer is a thin translation layer over this class, and the
+connector's embedded mode runs it in-process. The engine hands out and takes
+back *locations* in the pool; it never moves KV bytes itself. Clients (through
+their mapping), the GPU data path (server/gpu) and the tiers move them.
+
+Concurrency: one lock guards the registry and the store; every critical
+section is a short loop over one request's blocks, and no disk or network I/O
+happens under it (transfers are submitted after it is released; their
+completions take it briefly). The policy has its own lock, entered only after
+the engine lock. Frequency signals and metrics observations are issued after
+the engine lock is released. Each public method takes an optional
+``deadline`` (time.monotonic() value) and raises DeadlineExceeded rather than
+finishing late.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import logging
+import os
 import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import numpy as np
 
 from pegaflow import __version__
+from pegaflow.common.wire.types import AllocStatus, Location, QueryPurpose, Tier
+from pegaflow.server.clients.leases import Lease
+from pegaflow.server.clients.registry import ClientRegistry
+from pegaflow.server.clients.saves import Save
+from pegaflow.server.clients.sessions import Session
 from pegaflow.server.config import ServerConfig
-from pegaflow.server.errors import (
-    Closed,
-    DeadlineExceeded,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
-)
-from pegaflow.server.index.block_index import SEALED, BlockEntry, BlockIndex, BlockKey
-from pegaflow.server.index.namespace import KvLayout, Namespace, NamespaceTable
-from pegaflow.server.lease.leases import Lease, LeaseTable
-from pegaflow.server.lease.saves import Save, SaveTable
-from pegaflow.server.lease.sessions import Session, SessionTable
-from pegaflow.server.lease.tombstones import Tombstones
+from pegaflow.server.errors import Closed, DeadlineExceeded, InvalidArgument, ResourceExhausted
+from pegaflow.server.movers.block_hasher import BlockHasher
+from pegaflow.server.movers.tier_io import TierMover
 from pegaflow.server.policy import make_policy
-from pegaflow.server.pool.allocator import SlabAllocator
-from pegaflow.server.pool.region import PoolRegion
+from pegaflow.server.policy.placement import SsdPlacement
+from pegaflow.server.store import persistence
+from pegaflow.server.store.block_store import BlockStore, IoBatch, StoreLimits
+from pegaflow.server.store.index import BlockEntry
+from pegaflow.server.store.namespace import KvLayout, NamespaceTable
+from pegaflow.server.store.stats import ClientCounters, EngineStats, NamespaceStats
+from pegaflow.server.tiers.base import IoStatus
+from pegaflow.server.tiers.base import Tier as TierBase
+from pegaflow.server.tiers.dram.journal import FILE_NAME as JOURNAL_FILE
+from pegaflow.server.tiers.dram.journal import DramJournal, JournaledBlock, JournalLayout, replay
+from pegaflow.server.tiers.dram.journal import verified as journal_verified
+from pegaflow.server.tiers.dram.region import PoolRegion
+from pegaflow.server.tiers.dram.tier import DramTier
 
 log = logging.getLogger(__name__)
 
-
-class AllocStatus(enum.IntEnum):
-    """Same numbers as proto AllocStatus."""
-
-    GRANTED = 1
-    EXISTS = 2
-    IN_PROGRESS = 3
-    REJECTED = 4
-    NO_SPACE = 5
-
-
-class Tier(enum.IntEnum):
-    """Same numbers as proto Tier."""
-
-    DRAM = 1
-
-
-class QueryPurpose(enum.IntEnum):
-    """Same numbers as proto QueryPurpose: what a prefix query means for the statistics.
-
-    A block is *requested* once (LOOKUP: hits, misses, hit-rate windows, HLL ceiling, the policy's
-    frequency sketch) however many times it is then *loaded* (LOAD: pins and recency only), e.g. a
-    scheduler's lookup followed by each worker rank's leasing query.
-    """
-
-    LOOKUP = 0
-    LOAD = 1
-
-
-class Location(NamedTuple):
-    offset: int
-    length: int
-    tier: Tier = Tier.DRAM
+__all__ = ["AllocStatus", "KVEngine", "Location", "QueryPurpose", "EngineObserver"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,11 +86,14 @@ class InstanceInfo:
 
 @dataclasses.dataclass(frozen=True)
 class PrefixResult:
-    num_hits: int
+    num_hits: int  # leading blocks readable in DRAM now
     lease_id: str  # "" when no lease was taken
-    offsets: list[int]  # one per hit; each block is block_bytes long, in DRAM
+    offsets: list[int]  # one per readable hit; each block is block_bytes long, in DRAM
     block_bytes: int
     epoch: str
+    pending: int = 0  # blocks after them being promoted / fetched (LoadBlocks waits for them)
+    sources: tuple[Tier, ...] = ()  # where each of the num_hits + pending blocks was found
+    searching: bool = False  # other nodes are being asked for the blocks after these
 
     @property
     def locations(self) -> list[Location]:
@@ -136,71 +118,6 @@ class AllocateResult:
         ]
 
 
-@dataclasses.dataclass(frozen=True)
-class NamespaceStats:
-    namespace_id: str
-    model_id: str
-    block_bytes: int
-    resident_blocks: int
-    instances: int
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineStats:
-    epoch: str
-    pool_capacity_bytes: int
-    pool_used_bytes: int  # bytes of allocated blocks (sealed + being written)
-    resident_blocks: int  # sealed
-    pinned_blocks: int
-    writing_blocks: int
-    hits: int
-    misses: int
-    evictions: int
-    admission_rejections: int
-    live_sessions: int
-    live_instances: int
-    live_leases: int
-    open_saves: int
-    namespaces: list[NamespaceStats]
-    slab_bytes: int
-    free_slabs: int
-    total_slabs: int
-    stranded_bytes: int
-    slab_moves: int
-    save_bytes: int
-    load_bytes: int
-    lookup_queries: int
-    load_queries: int
-    load_missed_blocks: int
-
-
-class Counters:
-    """Monotonic totals; read without the lock by metrics (a torn read is one scrape off)."""
-
-    __slots__ = (
-        "hits",
-        "misses",
-        "queries",
-        "load_queries",
-        "load_missed_blocks",
-        "evictions",
-        "sealed_blocks",
-        "save_bytes",
-        "load_bytes",
-        "aborted_blocks",
-        "expired_leases",
-        "timed_out_saves",
-        "expired_sessions",
-        "closed_sessions",
-        "disconnected_sessions",
-        "no_space_blocks",
-    )
-
-    def __init__(self) -> None:
-        for name in self.__slots__:
-            setattr(self, name, 0)
-
-
 class EngineObserver:
     """Receives what metrics need, outside the engine lock. The default does nothing."""
 
@@ -213,15 +130,8 @@ class EngineObserver:
     def on_load(self, nbytes: int, seconds: float) -> None:
         pass
 
-
-class _Instance:
-    __slots__ = ("id", "session_id", "namespace", "name")
-
-    def __init__(self, session_id: str, namespace: Namespace, name: str):
-        self.id = "i-" + secrets.token_hex(12)
-        self.session_id = session_id
-        self.namespace = namespace
-        self.name = name
+    def on_transfer(self, kind: str, nbytes: int, seconds: float, ok: int, failed: int) -> None:
+        """A tier batch completed: kind "promote" (SSD -> DRAM) or "demote" (DRAM -> SSD)."""
 
 
 class KVEngine:
@@ -232,55 +142,105 @@ class KVEngine:
         config: ServerConfig,
         observer: EngineObserver | None = None,
         region: PoolRegion | None = None,
+        ssd: TierBase | None = None,
     ):
         self.config = config
         self.observer = observer or EngineObserver()
         self.epoch = secrets.token_hex(8)
         self.region = region or PoolRegion.create(
-            config.pool_size_bytes, config.use_hugepages, config.pool_dir
+            config.pool_size_bytes, config.use_hugepages, config.pool_dir, persistent=config.persist_pool
         )
         try:
-            self.allocator = SlabAllocator(self.region.size_bytes, config.slab_bytes)
+            self.dram = DramTier(self.region, config.slab_bytes, io_aligned=ssd is not None)
+            self.allocator = self.dram.allocator
             self.policy = make_policy(config.enable_lfu_admission, self.region.size_bytes)
         except BaseException:
             self.region.close()
             raise
-        self.counters = Counters()
+        self.ssd = ssd
+        self.counters = ClientCounters()
         self._lock = threading.Lock()
-        self._namespaces = NamespaceTable()
-        self._index = BlockIndex()
-        self._sessions = SessionTable(config.session_ttl_s)
-        self._leases = LeaseTable()
-        self._saves = SaveTable()
-        # Ids released / aborted before they existed: a late call with one is refused (see tombstones.py).
-        self._tombstones = Tombstones(config.write_timeout_s)
-        self._instances: dict[str, _Instance] = {}
+        self._changed = threading.Condition(self._lock)  # a transfer completed
+        self._namespaces = NamespaceTable(config.max_namespaces)
+        self._ns_idle_since: dict[int, float] = {}
+        self._registry = ClientRegistry(
+            config.session_ttl_s,
+            config.write_timeout_s,
+            config.max_instances_per_session,
+            config.max_leases_per_session,
+        )
+        checksums = config.persist_pool if config.block_checksums is None else config.block_checksums
+        self._hasher = BlockHasher() if checksums else None
+        self._store = BlockStore(
+            self.dram,
+            self.policy,
+            self._namespaces,
+            ssd=ssd,
+            placement=SsdPlacement(config.ssd_write_policy if ssd is not None else "off"),
+            limits=StoreLimits(config.promote_inflight_bytes, config.demote_inflight_bytes),
+            hasher=self._hasher,
+        )
+        self._mover = TierMover(self._transfer_done)
+        # Where the namespaces' layouts are kept beside persisted blocks: the SSD tier's records, the
+        # persistent pool's journal (none: nothing outlives this process).
+        self._state_dirs: list[str] = []
+        if ssd is not None and config.ssd_cache_paths:
+            self._state_dirs.append(persistence.state_dir(config.ssd_cache_paths))
+        if self.region.persistent_dir:
+            self._state_dirs.append(self.region.persistent_dir)
         self._session_listeners: list[Callable[[str], None]] = []
         self._ended_sessions: list[str] = []  # ended under the lock, announced after it
         self._closed = False
+        self.recovery_seconds = 0.0
+        self.dram_recovery_seconds = 0.0
+        self._journal: DramJournal | None = None
+        # L2 (server/peers/): set by attach_peers when a metaserver is configured.
+        self._remote = None  # RemoteSource: pulls other nodes' blocks on a local miss
+        self._publisher = None  # metaserver BlockPublisher: what this node holds
+        self._peer_session: Session | None = None  # owns the leases of transfers peers read
+        try:
+            self._restore_namespaces()
+            if self.region.persistent_dir:
+                self._recover_pool()
+            if ssd is not None:
+                self._recover()
+        except BaseException:
+            self._close_parts()
+            raise
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="pegaflow-reaper", daemon=True)
         self._reaper.start()
         log.info(
-            "engine: epoch %s, policy %s, %d slabs of %d bytes",
+            "engine: epoch %s, policy %s, %d slabs of %d bytes, ssd %s",
             self.epoch,
             self.policy.name,
             self.allocator.total_slabs,
             self.allocator.slab_bytes,
+            f"{ssd.name} ({self._store.placement.rule})" if ssd is not None else "off",
         )
 
     # ------------------------------------------------------------- lifecycle
 
     def close(self) -> None:
-        """Stops background work and frees the pool. Idempotent."""
+        """Stops background work, the tiers and frees the pool. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            self._changed.notify_all()
         self._stop.set()
         if self._reaper.is_alive() and self._reaper is not threading.current_thread():
             self._reaper.join(timeout=5)
-        self.region.close()
+        self._close_parts()
+
+    def _close_parts(self) -> None:
+        if self.ssd is not None:
+            self.ssd.close()  # queued transfers resolve CANCELLED before the pool goes
+        if self._hasher is not None:
+            self._hasher.close()
+        if self._journal is not None:
+            self._journal.close()  # what is queued is written: the next server sees it
+        self.dram.close()
 
     @property
     def closed(self) -> bool:
@@ -292,21 +252,15 @@ class KVEngine:
         per session outside the engine (e.g. a GPU data path's CUDA IPC mappings)."""
         self._session_listeners.append(callback)
 
-    def _announce_ended_sessions(self) -> None:
-        if not self._ended_sessions:
-            return
-        with self._lock:
-            ended, self._ended_sessions = self._ended_sessions, []
-        for session_id in ended:
-            for callback in self._session_listeners:
-                try:
-                    callback(session_id)
-                except Exception:
-                    log.exception("session listener failed for %s", session_id)
-
     def pool_view(self) -> np.ndarray:
         """The whole pool as a uint8 array (embedded users and a server-side copier write through it)."""
-        return np.frombuffer(self.region.buffer, dtype=np.uint8)
+        return self.dram.pool_view()
+
+    def namespace_at(self, index: int):
+        """The namespace whose dense index is ``index`` (the first part of every block key, and what
+        EngineObserver.on_lookup reports). Indices are never reused, so a namespace found is the
+        right one; KeyError for one never handed out or released since (idle: see reap)."""
+        return self._namespaces.at(index)
 
     @contextlib.contextmanager
     def _locked(self, deadline: float | None):
@@ -316,12 +270,45 @@ class KVEngine:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not self._lock.acquire(timeout=remaining):
                 raise DeadlineExceeded("deadline passed while waiting for the engine")
+        events = None
         try:
             if self._closed:
                 raise Closed("engine is closed")
             yield
         finally:
+            if self._store.published:
+                events, self._store.published = self._store.published, []
             self._lock.release()
+        if events:
+            self._publish(events)
+
+    def _publish(self, events: list[tuple[bool, int, bytes]]) -> None:
+        """DRAM copies that became readable or left, told to the metaserver (off the lock; the
+        publisher only queues). Runs of the same kind and namespace go as one call."""
+        publisher = self._publisher
+        if publisher is None:
+            return
+        run: list[bytes] = []
+        key = None
+        for added, ns_index, block_hash in events:
+            if (added, ns_index) != key:
+                if run:
+                    self._publish_run(publisher, key, run)
+                key, run = (added, ns_index), []
+            run.append(block_hash)
+        if run:
+            self._publish_run(publisher, key, run)
+
+    def _publish_run(self, publisher, key: tuple[bool, int], hashes: list[bytes]) -> None:
+        added, ns_index = key
+        try:
+            ns_id = self._namespaces.at(ns_index).id
+        except KeyError:
+            return
+        (publisher.blocks_added if added else publisher.blocks_removed)(ns_id, hashes)
+
+    def _live(self, session_id: str) -> Session:
+        return self._registry.live_session(session_id, time.monotonic())
 
     # -------------------------------------------------------------- sessions
 
@@ -332,10 +319,15 @@ class KVEngine:
         hostname: str = "",
         expires: bool = True,
         deadline: float | None = None,
+        trusted: bool = False,
     ) -> SessionInfo:
-        """A new session. ``expires=False`` (in-process users) needs no heartbeat; close it explicitly."""
+        """A new session. ``expires=False`` (in-process users) needs no heartbeat; close it explicitly.
+        ``trusted``: the server's own in-process parts (the GPU data path), which act on instances of
+        other sessions; a client's session only ever reaches its own instances, leases and saves."""
         with self._locked(deadline):
-            session = self._sessions.open(client_name, pid, hostname, time.monotonic(), expires)
+            session = self._registry.open_session(
+                client_name, pid, hostname, time.monotonic(), expires, trusted
+            )
         log.info("session %s opened: %r pid %d on %r", session.id, client_name, pid, hostname)
         return SessionInfo(
             session_id=session.id,
@@ -349,33 +341,31 @@ class KVEngine:
 
     def heartbeat(self, session_id: str, deadline: float | None = None) -> str:
         with self._locked(deadline):
-            self._live_session(session_id)
+            self._live(session_id)
         return self.epoch
 
     def close_session(self, session_id: str, deadline: float | None = None) -> None:
         with self._locked(deadline):
-            session = self._live_session(session_id)
-            self._end_session(session, "closed by client")
-            self.counters.closed_sessions += 1
+            self._end_session(self._live(session_id), "closed by client")
+            self.counters.sessions_closed += 1
         self._announce_ended_sessions()
 
     def attach_session(self, session_id: str) -> dict:
         """A pool-fd connection of this session opened (fd broker). Returns the broker's header."""
         with self._locked(None):
-            session = self._live_session(session_id)
-            session.attachments += 1
+            self._live(session_id).attachments += 1
         return {"epoch": self.epoch, "size_bytes": self.region.size_bytes, "hugepages": self.region.hugepages}
 
     def detach_session(self, session_id: str) -> None:
         """A pool-fd connection closed: the client process is gone (or dropped the pool), end its session."""
         with self._locked(None):
-            session = self._sessions.get(session_id)
+            session = self._registry.sessions.get(session_id)
             if session is None:
                 return
             session.attachments -= 1
             if session.attachments <= 0:
                 self._end_session(session, "pool connection closed")
-                self.counters.disconnected_sessions += 1
+                self.counters.sessions_disconnected += 1
         self._announce_ended_sessions()
 
     # ------------------------------------------------------------- instances
@@ -385,15 +375,14 @@ class KVEngine:
     ) -> InstanceInfo:
         layout.validate(self.allocator.max_block_bytes)
         with self._locked(deadline):
-            session = self._live_session(session_id)
-            if len(session.instances) >= self.config.max_instances_per_session:
-                raise ResourceExhausted(
-                    f"session {session_id} already has {len(session.instances)} instances (the limit)"
-                )
-            namespace = self._namespaces.intern(layout)
-            instance = _Instance(session.id, namespace, name)
-            self._instances[instance.id] = instance
-            session.instances.add(instance.id)
+            session = self._live(session_id)
+            namespace, new = self._namespaces.intern(layout)
+            instance = self._registry.add_instance(session, namespace, name)
+            layouts = self._namespaces.layouts() if new and self._state_dirs else None
+        if layouts is not None:
+            # Off the lock, before any block of it can be saved: recovery maps records to it.
+            for directory in self._state_dirs:
+                persistence.save_namespaces(directory, layouts)
         log.info(
             "instance %s (%r) registered in %s (%s, %d bytes/block)",
             instance.id,
@@ -404,14 +393,14 @@ class KVEngine:
         )
         return InstanceInfo(instance.id, namespace.id, layout.block_bytes)
 
+    def instance_namespace(self, session_id: str, instance_id: str, deadline: float | None = None):
+        """The namespace of one of the session's instances."""
+        with self._locked(deadline):
+            return self._registry.instance(self._live(session_id), instance_id).namespace
+
     def unregister_instance(self, session_id: str, instance_id: str, deadline: float | None = None) -> None:
         with self._locked(deadline):
-            self._live_session(session_id)
-            instance = self._instance(instance_id)
-            del self._instances[instance.id]
-            owner = self._sessions.get(instance.session_id)
-            if owner is not None:
-                owner.instances.discard(instance.id)
+            self._registry.remove_instance(self._live(session_id), instance_id)
 
     # ------------------------------------------------------------- load path
 
@@ -427,7 +416,10 @@ class KVEngine:
         purpose: QueryPurpose = QueryPurpose.LOOKUP,
         account: bool = True,
     ) -> PrefixResult:
-        """Leading sealed hits of ``hashes``; with ``lease`` they are pinned until released or expired.
+        """The leading blocks of ``hashes`` this host holds. ``num_hits`` of them are readable in DRAM
+        now; ``pending`` more are being promoted from a lower tier (this call starts what it finds).
+        With ``lease`` all of them are pinned until released or expired; ``load_blocks`` waits for the
+        pending ones.
 
         ``lease_id`` optionally names the lease (client-chosen, so it can release it after a timeout).
         ``purpose``: LOOKUP counts the hashes as block requests, LOAD only renews the hits' recency
@@ -436,31 +428,49 @@ class KVEngine:
         """
         self._check_hashes(hashes)
         ttl = self._lease_ttl(lease_ttl_s)
-        with self._locked(deadline):
-            session = self._live_session(session_id)
-            if lease and lease_id:
-                self._check_new_id(lease_id, self._leases.get(lease_id) is not None, "lease")
-            namespace = self._instance(instance_id).namespace
-            ns_index = namespace.index
-            get = self._index.get
-            hits: list[BlockEntry] = []
-            for block_hash in hashes:
-                entry = get((ns_index, block_hash))
-                if entry is None or entry.state != SEALED:
-                    break
-                hits.append(entry)
-            taken = ""
-            if lease and hits and len(session.leases) >= self.config.max_leases_per_session:
-                raise ResourceExhausted(
-                    f"session {session_id} holds {len(session.leases)} leases (the limit)"
-                )
-            if lease and hits:
-                taken = self._take_lease(session, instance_id, hits, ttl, lease_id)
-            offsets = [e.offset for e in hits]
-            if account:
-                self._count_query(purpose, len(hashes), len(hits))
-        self._after_query(purpose, ns_index, hashes, hits, account)
-        return PrefixResult(len(hits), taken, offsets, namespace.block_bytes, self.epoch)
+        planned: list[IoBatch | None] = []
+        try:
+            with self._locked(deadline):
+                session = self._live(session_id)
+                if lease and lease_id:
+                    self._registry.check_new_id(lease_id, "lease")
+                namespace = self._registry.instance(session, instance_id).namespace
+                ns_index = namespace.index
+                scan = self._store.scan(ns_index, hashes)
+                planned.append(scan.batch)  # submitted whatever happens next: its slots are taken
+                entries, num_ready, taken = scan.entries, scan.ready, ""
+                if lease and entries:
+                    self._registry.check_lease_room(session)
+                    entries = self._within_lease_quota(session, entries, namespace.block_bytes)
+                    num_ready = min(num_ready, len(entries))
+                    taken = self._take_lease(session, instance_id, ns_index, entries, ttl, lease_id)
+                ready = entries[:num_ready]
+                offsets = [e.dram for e in ready]
+                if account:
+                    self._count_query(purpose, len(hashes), scan.sources)
+                if purpose == QueryPurpose.LOOKUP:
+                    planned.append(self._store.reused(ready))
+        finally:
+            self._mover.submit(planned)
+        self._after_query(purpose, ns_index, hashes, ready, len(scan.entries) if account else None)
+        searching = False
+        remote = self._remote
+        if remote is not None and len(scan.entries) < len(hashes):
+            rest = hashes[len(scan.entries) :]
+            if purpose == QueryPurpose.LOOKUP:
+                searching = remote.request(namespace.id, ns_index, namespace.block_bytes, rest)
+            else:
+                searching = remote.searching(ns_index, rest[0])
+        return PrefixResult(
+            num_ready,
+            taken,
+            offsets,
+            namespace.block_bytes,
+            self.epoch,
+            len(entries) - num_ready,
+            tuple(scan.sources[: len(entries)]),
+            searching,
+        )
 
     def account_query(
         self,
@@ -471,15 +481,15 @@ class KVEngine:
         purpose: QueryPurpose,
         deadline: float | None = None,
     ) -> None:
-        """Counts ``hashes`` as one query of ``purpose`` that hit its first ``num_hits`` blocks, for a
-        caller that looked the chain up in several ``query_prefix(account=False)`` calls."""
+        """Counts ``hashes`` as one query of ``purpose`` that hit its first ``num_hits`` blocks (in DRAM),
+        for a caller that looked the chain up in several ``query_prefix(account=False)`` calls."""
         self._check_hashes(hashes)
         if not 0 <= num_hits <= len(hashes):
             raise InvalidArgument(f"num_hits {num_hits} is not within 0..{len(hashes)}")
         with self._locked(deadline):
-            self._live_session(session_id)
-            ns_index = self._instance(instance_id).namespace.index
-            self._count_query(purpose, len(hashes), num_hits)
+            session = self._live(session_id)
+            ns_index = self._registry.instance(session, instance_id).namespace.index
+            self._count_query(purpose, len(hashes), [Tier.DRAM] * num_hits)
         if purpose == QueryPurpose.LOOKUP:
             self._signal(self._lookup_signals, ns_index, hashes, num_hits)
 
@@ -491,43 +501,50 @@ class KVEngine:
         several calls, each of which left its own part head-first (the GPU data path's chunks)."""
         self._check_hashes(hashes)
         with self._locked(deadline):
-            self._live_session(session_id)
-            ns_index = self._instance(instance_id).namespace.index
-            self._refresh_stored(ns_index, hashes)
+            session = self._live(session_id)
+            ns_index = self._registry.instance(session, instance_id).namespace.index
+            self._store.refresh_chain(ns_index, hashes)
 
     def load_blocks(
         self, session_id: str, instance_id: str, lease_id: str, deadline: float | None = None
     ) -> PrefixResult:
-        """Locations of a lease's blocks (all DRAM-resident today; lower tiers would be promoted here)."""
+        """Locations of a lease's leading blocks once they are readable in DRAM: waits (until the
+        deadline) for the ones still being promoted; a block whose promotion failed ends the prefix
+        (the caller recomputes from there)."""
         with self._locked(deadline):
-            self._live_session(session_id)
-            instance = self._instance(instance_id)
-            held = self._leases.get(lease_id)
-            if held is None:
-                raise NotFound("lease", lease_id)
-            if held.entries and held.entries[0].key[0] != instance.namespace.index:
+            session = self._live(session_id)
+            instance = self._registry.instance(session, instance_id)
+            held = self._registry.lease(session, lease_id, time.monotonic())
+            if held.ns_index != instance.namespace.index:
                 raise InvalidArgument(
                     f"lease {lease_id} belongs to another namespace than instance {instance_id}"
                 )
-            return PrefixResult(
-                len(held.entries),
-                lease_id,
-                [e.offset for e in held.entries],
-                instance.namespace.block_bytes,
-                self.epoch,
-            )
+            while any(e.filling_from is not None for e in held.entries) and not self._closed:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    break  # answer what is ready: the rest is a miss for this caller
+                self._changed.wait(remaining)
+            if self._closed:
+                raise Closed("engine is closed")
+            ready = 0
+            for entry in held.entries:
+                if not entry.dram_ready:
+                    break
+                ready += 1
+            offsets = [e.dram for e in held.entries[:ready]]
+            pending = sum(1 for e in held.entries[ready:] if e.filling_from is not None)
+        return PrefixResult(ready, lease_id, offsets, instance.namespace.block_bytes, self.epoch, pending)
 
     def release_lease(
         self, session_id: str, lease_id: str, loaded_bytes: int = 0, deadline: float | None = None
     ) -> None:
         with self._locked(deadline):
-            self._live_session(session_id)
-            held = self._leases.get(lease_id)
-            if held is None:
-                self._tombstones.add(lease_id, time.monotonic())
-                raise NotFound("lease", lease_id)
+            session = self._live(session_id)
+            held = self._registry.lease(session, lease_id, time.monotonic())
             self._drop_lease(held)
             age = time.monotonic() - held.created_at
+            # A client reports what it read; never more than the lease holds (review finding F6).
+            loaded_bytes = min(max(int(loaded_bytes), 0), sum(e.length for e in held.entries))
             if loaded_bytes:
                 self.counters.load_bytes += loaded_bytes
         if loaded_bytes:
@@ -549,58 +566,41 @@ class KVEngine:
         """
         self._check_hashes(hashes)
         with self._locked(deadline):
-            session = self._live_session(session_id)
+            session = self._live(session_id)
             if save_id:
-                self._check_new_id(save_id, self._saves.get(save_id) is not None, "save")
-            namespace = self._instance(instance_id).namespace
+                self._registry.check_new_id(save_id, "save")
+            namespace = self._registry.instance(session, instance_id).namespace
             ns_index, block_bytes = namespace.index, namespace.block_bytes
-            now = time.monotonic()
             save = Save(
-                session.id, instance_id, ns_index, tuple(hashes), now, self.config.write_timeout_s, save_id
+                session.id,
+                instance_id,
+                ns_index,
+                tuple(hashes),
+                time.monotonic(),
+                self.config.write_timeout_s,
+                save_id,
             )
-            statuses: list[AllocStatus] = []
-            new_hashes: list[bytes] = []
-            new_positions: list[int] = []
-            get = self._index.get
-            stored: list[BlockEntry] = []
-            for position, block_hash in enumerate(hashes):
-                entry = get((ns_index, block_hash))
-                if entry is not None:
-                    if entry.state == SEALED:
-                        statuses.append(AllocStatus.EXISTS)
-                        stored.append(entry)
-                    else:
-                        statuses.append(AllocStatus.IN_PROGRESS)
-                elif block_hash in save.pending:  # the same hash twice in one request
-                    statuses.append(AllocStatus.IN_PROGRESS)
-                else:
-                    save.pending[block_hash] = None  # placeholder, keeps request order
-                    statuses.append(AllocStatus.GRANTED)
-                    new_hashes.append(block_hash)
-                    new_positions.append(position)
-            # Slots come back held, so a slab holding them is never chosen for a slab move meanwhile;
-            # whatever could not be had (nothing evictable, deadline) is NO_SPACE. The chain's stored
-            # blocks are not evicted to make room for its own tail, which is useless without them.
-            offsets = self._allocate_slots(block_bytes, len(new_hashes), deadline, keep=stored)
-            for position, block_hash in zip(
-                new_positions[len(offsets) :], new_hashes[len(offsets) :], strict=True
-            ):
-                statuses[position] = AllocStatus.NO_SPACE
-                del save.pending[block_hash]
-                self.counters.no_space_blocks += 1
-            entries = self._index.add_writing_many(
-                ns_index, new_hashes[: len(offsets)], offsets, block_bytes, save.id
+            room = (
+                len(hashes)
+                if session.trusted
+                else max(
+                    int(self.config.session_unsealed_fraction * self.region.size_bytes)
+                    - session.unsealed_bytes,
+                    0,
+                )
+                // block_bytes
             )
-            for entry in entries:
-                save.pending[entry.key[1]] = entry
+            statuses, offsets, _ = self._store.reserve(ns_index, block_bytes, hashes, save, deadline, room)
+            session.unsealed_bytes += len(offsets) * block_bytes
+            if AllocStatus.REJECTED in statuses:
+                self.counters.quota_refusals += 1
             save_id = ""
             if save.pending:
-                self._saves.add(save)
-                session.saves.add(save.id)
+                self._registry.add_save(session, save)
                 save_id = save.id
             else:
                 # Nothing to write, so no seal will restate the chain: restate it now.
-                self._refresh_stored(ns_index, save.chain)
+                self._store.refresh_chain(ns_index, save.chain)
         return AllocateResult(save_id, statuses, offsets, block_bytes, self.epoch)
 
     def seal_blocks(
@@ -608,10 +608,8 @@ class KVEngine:
     ) -> int:
         """Makes written blocks visible: the listed ones, or every pending block of the save."""
         with self._locked(deadline):
-            self._live_session(session_id)
-            save = self._saves.get(save_id)
-            if save is None:
-                raise NotFound("save", save_id)
+            session = self._live(session_id)
+            save = self._registry.save(session, save_id, time.monotonic())
             if hashes:
                 targets = list(dict.fromkeys(hashes))
                 for block_hash in targets:
@@ -622,15 +620,14 @@ class KVEngine:
             else:
                 targets = list(save.pending)
             sealing = {block_hash: save.pending.pop(block_hash) for block_hash in targets}
-            self.allocator.unhold_many([entry.offset for entry in sealing.values()])
-            sealed_bytes = self._seal_chain(save, sealing)
+            sealed_bytes, planned = self._store.seal(save, sealing)
             save.sealed_bytes += sealed_bytes
-            self.counters.sealed_blocks += len(targets)
-            self.counters.save_bytes += sealed_bytes
+            session.unsealed_bytes -= sealed_bytes
             finished = not save.pending
             if finished:
-                self._forget_save(save)
+                self._registry.remove_save(save)
             age = time.monotonic() - save.created_at
+        self._mover.submit(planned)
         if finished and save.sealed_bytes:
             self.observer.on_save(save.sealed_bytes, age)
         return len(targets)
@@ -638,76 +635,151 @@ class KVEngine:
     def abort_blocks(self, session_id: str, save_id: str, deadline: float | None = None) -> int:
         """Frees a save's unsealed blocks (they never become visible). Returns how many."""
         with self._locked(deadline):
-            self._live_session(session_id)
-            save = self._saves.get(save_id)
-            if save is None:
-                self._tombstones.add(save_id, time.monotonic())
-                raise NotFound("save", save_id)
+            session = self._live(session_id)
+            save = self._registry.save(session, save_id, time.monotonic(), tombstone=True)
             return self._abort_save(save)
+
+    # --------------------------------------------------- other nodes (L2)
+
+    def attach_peers(self, remote, publisher) -> None:
+        """Serve peers' transfers, pull from peers on a miss (``remote``: peers/remote_source.py) and
+        publish what this node holds (``publisher``: metaserver/publisher.py). Before serving."""
+        with self._locked(None):
+            self._peer_session = self._registry.open_session(
+                "pegaflow-peers", os.getpid(), "", time.monotonic(), expires=False, trusted=True
+            )
+            self._store.publishing = publisher is not None
+            self._remote, self._publisher = remote, publisher
+
+    def detach_peers(self) -> None:
+        with self._locked(None):
+            self._remote = self._publisher = None
+            self._store.publishing = False
+            self._store.published = []
+
+    def open_transfer(self, namespace_id: str, hashes: Sequence[bytes], ttl_s: float):
+        """A peer reads the leading DRAM blocks of ``hashes`` (server/peers/base.py, TransferSource):
+        they are pinned under a lease of the peers' session that expires by itself after ``ttl_s``.
+        Returns (lease id, [(pool offset, length, checksum or None)]); ("", []) on a miss."""
+        self._check_hashes(hashes)
+        if not 0 < ttl_s <= self.config.max_lease_ttl_s:
+            raise ValueError(f"transfer ttl must be in (0, {self.config.max_lease_ttl_s}] seconds")
+        with self._locked(None):
+            session = self._peer_session
+            if session is None:
+                raise LookupError("this node serves no peers")
+            namespace = self._namespaces.by_id(namespace_id)
+            if namespace is None:
+                raise LookupError(f"unknown namespace {namespace_id}")
+            entries = self._store.dram_prefix(namespace.index, hashes)
+            if not entries:
+                return "", []
+            lease_id = self._take_lease(session, "", namespace.index, entries, ttl_s)
+            return lease_id, [(e.dram, e.length, e.checksum) for e in entries]
+
+    def renew_transfer(self, transfer_id: str, ttl_s: float) -> bool:
+        with self._locked(None):
+            held = self._registry.leases.get(transfer_id)
+            if held is None or self._peer_session is None or held.session_id != self._peer_session.id:
+                return False
+            self._registry.leases.renew(held, time.monotonic() + min(ttl_s, self.config.max_lease_ttl_s))
+            return True
+
+    def close_transfer(self, transfer_id: str) -> None:
+        with self._locked(None):
+            held = self._registry.leases.get(transfer_id)
+            if (
+                held is not None
+                and self._peer_session is not None
+                and held.session_id == self._peer_session.id
+            ):
+                self._drop_lease(held)
+
+    def plan_fetch(self, ns_index: int, hashes: Sequence[bytes], block_bytes: int):
+        """Pool slots for the leading ``hashes`` this node lacks, pending until ``fetched``; returns the
+        entries and their slots as buffers a peer transport fills (peers/remote_source.py)."""
+        with self._locked(None):
+            entries = self._store.plan_fetch(ns_index, hashes, block_bytes)
+            views = [self.dram.view(e.dram, e.length) for e in entries]
+        return entries, views
+
+    def fetched(self, entries, ok: Sequence[bool], checksums: Sequence[int | None]) -> None:
+        try:
+            with self._locked(None):
+                self._store.fetched(entries, ok, checksums)
+                self._changed.notify_all()
+        except Closed:
+            pass
+
+    def dram_snapshot(self, chunk: int = 4096):
+        """(namespace id, hashes) of every block readable in DRAM, in chunks: the publisher's
+        re-publication after a metaserver restart. The keys are taken under the lock once; each
+        chunk is re-checked under the lock, so what it yields is resident when yielded."""
+        with self._locked(None):
+            keys = self._store.dram_keys()
+        for lo in range(0, len(keys), chunk):
+            by_ns: dict[int, list[bytes]] = {}
+            with self._locked(None):
+                for key in keys[lo : lo + chunk]:
+                    entry = self._store.index.get(key)
+                    if entry is not None and entry.dram_ready:
+                        by_ns.setdefault(key[0], []).append(key[1])
+                ids = {i: ns.id for i in by_ns if (ns := self._namespaces.by_index(i)) is not None}
+            for index, hashes in by_ns.items():
+                if index in ids:
+                    yield ids[index], hashes
 
     # ---------------------------------------------------------- introspection
 
     def stats(self, deadline: float | None = None) -> EngineStats:
         with self._locked(deadline):
             alloc = self.allocator.stats()
-            per_ns_instances: dict[int, int] = {}
-            for instance in self._instances.values():
-                per_ns_instances[instance.namespace.index] = (
-                    per_ns_instances.get(instance.namespace.index, 0) + 1
-                )
-            namespaces = [
-                NamespaceStats(
-                    ns.id,
-                    ns.model_id,
-                    ns.block_bytes,
-                    self._index.sealed_in(ns.index),
-                    per_ns_instances.get(ns.index, 0),
-                )
-                for ns in self._namespaces
-            ]
-            return EngineStats(
+            index, store, registry = self._store.index, self._store.counters, self._registry
+            instances = registry.instances_per_namespace()
+            promoting, demoting = self._store.inflight_bytes()
+            stats = EngineStats(
                 epoch=self.epoch,
                 pool_capacity_bytes=self.region.size_bytes,
                 pool_used_bytes=alloc.used_bytes,
-                resident_blocks=self._index.sealed,
-                pinned_blocks=self._index.pinned,
-                writing_blocks=self._index.writing,
-                hits=self.counters.hits,
-                misses=self.counters.misses,
-                evictions=self.counters.evictions,
-                admission_rejections=self.policy.admission_rejections,
-                live_sessions=len(self._sessions),
-                live_instances=len(self._instances),
-                live_leases=len(self._leases),
-                open_saves=len(self._saves),
-                namespaces=namespaces,
+                stranded_bytes=alloc.stranded_bytes,
                 slab_bytes=alloc.slab_bytes,
                 free_slabs=alloc.free_slabs,
                 total_slabs=alloc.total_slabs,
-                stranded_bytes=alloc.stranded_bytes,
                 slab_moves=self.allocator.slab_moves,
-                save_bytes=self.counters.save_bytes,
-                load_bytes=self.counters.load_bytes,
-                lookup_queries=self.counters.queries,
-                load_queries=self.counters.load_queries,
-                load_missed_blocks=self.counters.load_missed_blocks,
+                resident_blocks=index.sealed,
+                dram_blocks=index.dram_ready,
+                ssd_blocks=index.ssd_ready,
+                pinned_blocks=index.pinned,
+                writing_blocks=index.writing,
+                admission_rejections=self.policy.admission_rejections,
+                promoting_bytes=promoting,
+                demoting_bytes=demoting,
+                live_sessions=len(registry.sessions),
+                live_instances=len(registry.instances),
+                live_leases=len(registry.leases),
+                open_saves=len(registry.saves),
+                namespaces=[
+                    NamespaceStats(
+                        ns.id,
+                        ns.model_id,
+                        ns.block_bytes,
+                        index.sealed_in(ns.index),
+                        instances.get(ns.index, 0),
+                    )
+                    for ns in self._namespaces
+                ],
             )
+            for name in type(store).__slots__:
+                setattr(stats, name, getattr(store, name))
+            for name in type(self.counters).__slots__:
+                setattr(stats, name, getattr(self.counters, name))
+        stats.hits = stats.dram_hits + stats.ssd_hits + stats.remote_hits
+        stats.tiers = [self.dram.stats()] + ([self.ssd.stats()] if self.ssd is not None else [])
+        if self.ssd is not None:
+            stats.tiers[1].recovery_seconds = stats.tiers[1].recovery_seconds or self.recovery_seconds
+        return stats
 
     # -------------------------------------------------------------- internals
-
-    def _live_session(self, session_id: str) -> Session:
-        session = self._sessions.get(session_id)
-        if session is None:
-            raise NotFound("session", session_id)
-        # Any request is as good as a heartbeat.
-        session.last_seen = time.monotonic()
-        return session
-
-    def _instance(self, instance_id: str) -> _Instance:
-        instance = self._instances.get(instance_id)
-        if instance is None:
-            raise NotFound("instance", instance_id)
-        return instance
 
     def _check_hashes(self, hashes: Sequence[bytes]) -> None:
         # The RPC layer checks too (with clearer messages); embedded callers only pass through here.
@@ -730,32 +802,38 @@ class KVEngine:
             raise InvalidArgument(f"lease ttl must be in (0, {self.config.max_lease_ttl_s}] seconds")
         return lease_ttl_s
 
-    def _count_query(self, purpose: QueryPurpose, requested: int, hits: int) -> None:
-        """Under the lock. Only a LOOKUP is a block request; a LOAD's misses are blocks that vanished
-        between the lookup that found them and the load."""
-        counters = self.counters
+    def _count_query(self, purpose: QueryPurpose, requested: int, sources: Sequence[Tier]) -> None:
+        """Under the lock. Only a LOOKUP is a block request (hits by the tier each was found in); a
+        LOAD's misses are blocks that vanished between the lookup that found them and the load."""
+        c = self.counters
         if purpose == QueryPurpose.LOOKUP:
-            counters.queries += 1
-            counters.hits += hits
-            counters.misses += requested - hits
+            c.lookup_queries += 1
+            for source in sources:
+                if source == Tier.DRAM:
+                    c.dram_hits += 1
+                elif source == Tier.SSD:
+                    c.ssd_hits += 1
+                else:
+                    c.remote_hits += 1
+            c.misses += requested - len(sources)
         else:
-            counters.load_queries += 1
-            counters.load_missed_blocks += requested - hits
+            c.load_queries += 1
+            c.load_missed_blocks += requested - len(sources)
 
     def _after_query(
         self,
         purpose: QueryPurpose,
         ns_index: int,
         hashes: Sequence[bytes],
-        hits: list[BlockEntry],
-        account: bool,
+        ready: list[BlockEntry],
+        num_hits: int | None,
     ) -> None:
         """Recency, frequency and metrics signals of a query, outside the engine lock (the policy has
         its own). Hits are touched tail first, so the head of the prefix ends the most recent."""
         if purpose == QueryPurpose.LOOKUP:
-            self._signal(self._lookup_signals, ns_index, hashes, len(hits) if account else None, hits)
+            self._signal(self._lookup_signals, ns_index, hashes, num_hits, ready)
         else:
-            self._signal(self._refresh_signals, hits)
+            self._signal(self._refresh_signals, ready)
 
     def _signal(self, fn: Callable, *args) -> None:
         # A failure here must not fail the query (its lease is already taken): it is logged.
@@ -779,182 +857,181 @@ class KVEngine:
         for entry in reversed(hits):
             self.policy.on_refresh(entry.key)
 
-    def _seal_chain(self, save: Save, sealing: dict[bytes, BlockEntry]) -> int:
-        """Under the lock: seals ``sealing`` and restates the save's chain, tail first.
-
-        A save is an ordered chain (a prefix); its blocks are useless without the ones before them.
-        Walking it from the tail, each block is inserted (being sealed now) or refreshed (stored
-        already: the caller resent the part of the chain it loaded or found stored), so the chain
-        ends ordered head > ... > tail in the policy, and under pressure a prefix loses its tail
-        first. Blocks of the save still unwritten, and blocks not (or no longer) stored, are skipped.
-        Returns the bytes sealed.
-        """
-        policy, get, seal, pending = self.policy, self._index.get, self._index.seal, save.pending
-        ns_index = save.ns_index
-        sealed_bytes = 0
-        for block_hash in reversed(save.chain):
-            entry = sealing.pop(block_hash, None)
-            if entry is not None:
-                seal(entry)
-                policy.on_insert(entry.key, entry.length)
-                sealed_bytes += entry.length
-            elif block_hash not in pending:
-                entry = get((ns_index, block_hash))
-                if entry is not None and entry.state == SEALED:
-                    policy.on_refresh(entry.key)
-        return sealed_bytes
-
-    def _refresh_stored(self, ns_index: int, chain: Sequence[bytes]) -> None:
-        """Under the lock: refreshes the stored blocks of ``chain``, tail first."""
-        policy, get = self.policy, self._index.get
-        for block_hash in reversed(chain):
-            entry = get((ns_index, block_hash))
-            if entry is not None and entry.state == SEALED:
-                policy.on_refresh(entry.key)
-
-    def _check_new_id(self, ident: str, in_use: bool, kind: str) -> None:
-        if ident in self._tombstones:
-            raise DeadlineExceeded(f"{kind} {ident} was already given up by its caller")
-        if in_use:
-            raise FailedPrecondition(f"{kind} id {ident} is already in use")
+    def _within_lease_quota(self, session: Session, entries: list[BlockEntry], block_bytes: int) -> list:
+        """The leading part of ``entries`` the session may still pin; ResourceExhausted if none."""
+        if session.trusted:
+            return entries
+        room = int(self.config.session_leased_fraction * self.region.size_bytes) - session.leased_bytes
+        fits = max(room, 0) // block_bytes
+        if fits >= len(entries):
+            return entries
+        self.counters.quota_refusals += 1
+        if fits == 0:
+            raise ResourceExhausted(
+                f"session {session.id} already pins {session.leased_bytes} bytes under leases (its quota is "
+                f"{self.config.session_leased_fraction:.0%} of the pool); release leases first"
+            )
+        return entries[:fits]
 
     def _take_lease(
-        self, session: Session, instance_id: str, entries: list[BlockEntry], ttl_s: float, ident: str = ""
+        self,
+        session: Session,
+        instance_id: str,
+        ns_index: int,
+        entries: list[BlockEntry],
+        ttl_s: float,
+        ident: str = "",
     ) -> str:
-        held = Lease(session.id, instance_id, entries, time.monotonic(), ttl_s, ident)
-        for entry in entries:
-            if self._index.pin(entry):
-                self.allocator.hold(entry.offset)
-        self._leases.add(held)
-        session.leases.add(held.id)
+        held = Lease(session.id, instance_id, ns_index, list(entries), time.monotonic(), ttl_s, ident)
+        self._store.pin(held.entries)
+        self._registry.add_lease(session, held)
         return held.id
 
     def _drop_lease(self, held: Lease) -> None:
-        self._leases.remove(held.id)
-        owner = self._sessions.get(held.session_id)
-        if owner is not None:
-            owner.leases.discard(held.id)
-        for entry in held.entries:
-            if self._index.unpin(entry):
-                self.allocator.unhold(entry.offset)
+        self._registry.remove_lease(held)
+        self._store.unpin(held.entries)
 
     def _abort_save(self, save: Save) -> int:
-        freed = 0
-        for entry in save.pending.values():
-            self._index.remove(entry)
-            self.allocator.unhold(entry.offset)
-            self.allocator.free(entry.offset)
-            freed += 1
-        save.pending.clear()
-        self._forget_save(save)
-        self.counters.aborted_blocks += freed
+        granted = sum(e.length for e in save.pending.values() if e is not None)
+        freed = self._store.abort(save)
+        self._registry.remove_save(save)
+        owner = self._registry.sessions.get(save.session_id)
+        if owner is not None:
+            owner.unsealed_bytes -= granted
         return freed
 
-    def _forget_save(self, save: Save) -> None:
-        self._saves.remove(save.id)
-        owner = self._sessions.get(save.session_id)
-        if owner is not None:
-            owner.saves.discard(save.id)
-
     def _end_session(self, session: Session, reason: str) -> None:
-        self._sessions.remove(session.id)
+        leases, saves, instances = self._registry.end_session(session)
         if self._session_listeners:
             self._ended_sessions.append(session.id)
-        leases = [self._leases.get(lease_id) for lease_id in session.leases]
         for held in leases:
-            if held is not None:
-                self._drop_lease(held)
-        freed = 0
-        for save_id in list(session.saves):
-            save = self._saves.get(save_id)
-            if save is not None:
-                freed += self._abort_save(save)
-        for instance_id in session.instances:
-            self._instances.pop(instance_id, None)
+            self._store.unpin(held.entries)
+        freed = sum(self._store.abort(save) for save in saves)
         log.info(
-            "session %s (%r pid %d) ended: %s; "
-            "released %d leases, freed %d unsealed blocks, dropped %d instances",
+            "session %s (%r pid %d) ended: %s; released %d leases, freed %d unsealed blocks, "
+            "dropped %d instances",
             session.id,
             session.client_name,
             session.pid,
             reason,
             len(leases),
             freed,
-            len(session.instances),
+            instances,
         )
 
-    def _is_pinned(self, key: BlockKey) -> bool:
-        entry = self._index.get(key)
-        return entry is None or entry.pins > 0
+    def _announce_ended_sessions(self) -> None:
+        if not self._ended_sessions:
+            return
+        with self._lock:
+            ended, self._ended_sessions = self._ended_sessions, []
+        for session_id in ended:
+            for callback in self._session_listeners:
+                try:
+                    callback(session_id)
+                except Exception:
+                    log.exception("session listener failed for %s", session_id)
 
-    def _evict(self, entry: BlockEntry) -> None:
-        self._index.remove(entry)
-        self.allocator.free(entry.offset)
-        self.policy.on_remove(entry.key)
-        self.counters.evictions += 1
+    # ---------------------------------------------------------- transfers
 
-    def _allocate_slots(
-        self, block_bytes: int, count: int, deadline: float | None, keep: Sequence[BlockEntry] = ()
-    ) -> list[int]:
-        """Up to ``count`` held slots for blocks of this size, evicting as the policy says when the pool
-        is full (never a block of ``keep``); fewer only when nothing evictable is left or the deadline
-        passed.
+    def _transfer_done(self, batch: IoBatch, statuses: Sequence[IoStatus]) -> None:
+        """The tier mover's completion callback (a tier's thread): record it, wake load_blocks."""
+        try:
+            with self._locked(None):
+                self._store.complete(batch, statuses)
+                self._changed.notify_all()
+        except Closed:
+            return
+        if batch.kind in ("promote", "demote"):
+            ok = sum(1 for s in statuses if s == IoStatus.OK)
+            self.observer.on_transfer(
+                batch.kind, batch.nbytes, time.monotonic() - batch.planned_at, ok, len(statuses) - ok
+            )
 
-        The policy's victims are evicted (whatever their size) until enough slots of this size are
-        free: a victim of this size frees one, and a slab that empties can go to any size. Victims of
-        other sizes leave free slots there that this size cannot use; whenever a slab's worth of those
-        has piled up, a whole slab of another size (no pinned or half-written blocks, the emptiest) is
-        evicted and moves to this size. Evicting first and allocating in one step afterwards hands out
-        the freed slots in address order, so a batch that replaces an evicted batch stays contiguous.
-        """
-        allocator = self.allocator
-        offsets = allocator.allocate_many(block_bytes, count, hold=True)
-        need = count - len(offsets)
-        if need == 0:
-            return offsets
-        skip = self._is_pinned
-        if keep:
-            kept = {entry.key for entry in keep}
+    def _restore_namespaces(self) -> None:
+        """Before serving: the namespaces persisted beside the blocks that outlived the last server."""
+        saved: dict[str, dict] = {}
+        for directory in self._state_dirs:
+            saved.update(persistence.load_namespaces(directory))
+        for ns_id, layout in saved.items():
+            try:
+                self._namespaces.restore(ns_id, KvLayout(**layout))
+            except (TypeError, ValueError) as exc:
+                log.warning("recovery: namespace %s not restored: %s", ns_id, exc)
 
-            def skip(key: BlockKey) -> bool:
-                return key in kept or self._is_pinned(key)
-
-        freed_elsewhere = 0
-        rounds = 0
-        while allocator.available(block_bytes) < need:
-            rounds += 1
-            if rounds % 64 == 0 and deadline is not None and time.monotonic() > deadline:
-                break  # grant what is free; the RPC layer undoes everything if the caller has left
-            if freed_elsewhere >= allocator.slab_bytes:
-                freed_elsewhere = 0
-                if self._move_slab(block_bytes):
-                    continue
-            victim = self.policy.next_victim(skip)
-            if victim is None:
-                if not self._move_slab(block_bytes):
-                    break  # nothing evictable is left
+    def _recover_pool(self) -> None:
+        """Before serving: the sealed blocks a persistent pool still holds, each re-adopted only if its
+        bytes still hash to the checksum its journal recorded (tiers/dram/journal.py)."""
+        start = time.monotonic()
+        layout = JournalLayout(self.region.size_bytes, self.allocator.slab_bytes, self.allocator.slot_align)
+        path = os.path.join(self.region.persistent_dir, JOURNAL_FILE)
+        live, problems = replay(path, layout) if self.region.reused else ({}, [])
+        for problem in problems[:16]:
+            log.warning("pool recovery: %s", problem)
+        adopted: dict[int, JournaledBlock] = {}
+        mismatched = orphaned = 0
+        view = self.dram.pool_view()
+        candidates = []
+        for block, ok in journal_verified(view, live):
+            key = persistence.namespace_of(self._namespaces, block.tag)
+            if not ok:
+                mismatched += 1
+            elif key is None or self._namespaces.at(key[0]).block_bytes != block.length:
+                orphaned += 1
+            else:
+                candidates.append((block, key))
+        refused = set(self.allocator.restore([(b.offset, b.length) for b, _ in candidates]))
+        for block, (ns_index, block_hash) in candidates:
+            if (block.offset, block.length) in refused:
                 continue
-            entry = self._index.get(victim)
-            if entry is None or entry.state != SEALED or entry.pins:
-                # The policy tracks a key the engine no longer holds as resident: resync and go on.
-                log.warning("policy offered a non-evictable key %r; dropping it from the policy", victim)
-                self.policy.on_remove(victim)
-                continue
-            self._evict(entry)
-            if entry.length != block_bytes:
-                freed_elsewhere += entry.length
-        offsets += allocator.allocate_many(block_bytes, need, hold=True)
-        return offsets
+            if self._store.recover_slot(ns_index, block_hash, block.offset, block.length, block.checksum):
+                adopted[block.offset] = block
+            else:
+                self.allocator.free(block.offset)
+        self._journal = DramJournal(path, layout, live=adopted)
+        self._store.journal = self._journal
+        self.dram_recovery_seconds = time.monotonic() - start
+        log.info(
+            "pool recovery: re-adopted %d of %d journaled blocks in %.2f s (%d failed their checksum, "
+            "%d of unknown namespaces, %d slots refused)",
+            len(adopted),
+            len(live),
+            self.dram_recovery_seconds,
+            mismatched,
+            orphaned,
+            len(refused),
+        )
 
-    def _move_slab(self, block_bytes: int) -> bool:
-        """Evicts every block of the emptiest movable slab of another size; False if there is none."""
-        slab = self.allocator.reclaimable_slab(block_bytes)
-        if slab is None:
-            return False
-        for slot_offset in self.allocator.used_offsets(slab):
-            self._evict(self._index.at_offset(slot_offset))
-        self.allocator.note_slab_move()
-        return True
+    def _recover(self) -> None:
+        """Before serving: every block the SSD tier still holds."""
+        start = time.monotonic()
+        skipped: list[tuple[str, str]] = []
+
+        def report(where: str, why: str) -> None:
+            skipped.append((where, why))
+            if len(skipped) <= 16:
+                log.warning("ssd recovery: skipped %s: %s", where, why)
+
+        recovered = orphaned = 0
+        for block in self.ssd.recover(report):
+            ns_hash = persistence.namespace_of(self._namespaces, block.tag)
+            if ns_hash is None or self._namespaces.at(ns_hash[0]).block_bytes != block.extent.length:
+                self.ssd.free([block.extent])  # a record of no known namespace can never be served
+                orphaned += 1
+                continue
+            if self._store.recover(ns_hash[0], ns_hash[1], block.extent):
+                recovered += 1
+            else:
+                self.ssd.free([block.extent])
+        self.recovery_seconds = time.monotonic() - start
+        log.info(
+            "ssd recovery: %d blocks in %d namespaces in %.2f s (%d records skipped, "
+            "%d of unknown namespaces)",
+            recovered,
+            len(self._namespaces),
+            self.recovery_seconds,
+            len(skipped),
+            orphaned,
+        )
 
     def _reap_loop(self) -> None:
         while not self._stop.wait(self.config.reaper_interval_s):
@@ -969,14 +1046,17 @@ class KVEngine:
         """Ends silent sessions, expires leases, frees saves past the write timeout."""
         now = time.monotonic() if now is None else now
         with self._locked(None):
-            for session in self._sessions.expired(now):
+            sessions, leases, saves = self._registry.expired(now)
+            for session in sessions:
                 self._end_session(session, f"no heartbeat for {self.config.session_ttl_s:g} s")
-                self.counters.expired_sessions += 1
-            for held in self._leases.expired(now):
-                self._drop_lease(held)
-                self.counters.expired_leases += 1
-            self._tombstones.prune(now)
-            for save in self._saves.expired(now):
+                self.counters.sessions_expired += 1
+            for held in leases:
+                if self._registry.leases.get(held.id) is held:
+                    self._drop_lease(held)
+                    self.counters.expired_leases += 1
+            for save in saves:
+                if self._registry.saves.get(save.id) is not save:
+                    continue
                 freed = self._abort_save(save)
                 self.counters.timed_out_saves += 1
                 log.info(
@@ -985,4 +1065,22 @@ class KVEngine:
                     self.config.write_timeout_s,
                     freed,
                 )
+            released = self._release_idle_namespaces(now)
+        if released is not None:
+            for directory in self._state_dirs:
+                persistence.save_namespaces(directory, released)
         self._announce_ended_sessions()
+
+    def _release_idle_namespaces(self, now: float) -> dict[str, dict] | None:
+        """Under the lock: forgets namespaces with no instance and no block once idle for
+        namespace_idle_s. Returns the layouts left to persist when any was released, else None."""
+        used = self._registry.instances_per_namespace()
+        index, idle, released = self._store.index, self._ns_idle_since, False
+        for ns in self._namespaces:
+            if used.get(ns.index) or index.entries_in(ns.index):
+                idle.pop(ns.index, None)
+            elif now - idle.setdefault(ns.index, now) >= self.config.namespace_idle_s:
+                self._namespaces.release(ns)
+                del idle[ns.index]
+                released = True
+        return self._namespaces.layouts() if released else None

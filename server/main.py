@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
         "a tmpfs mounted with huge=always gives 2 MiB transparent huge pages without a hugetlb reservation",
     )
     p.add_argument(
+        "--persist-pool",
+        action="store_true",
+        help="with --pool-dir: keep the pool file and a journal of its sealed blocks across restarts, so a "
+        "restarted server (crash or upgrade) serves the blocks it held again, each verified by its checksum",
+    )
+    p.add_argument(
         "--enable-lfu-admission",
         action="store_true",
         help="W-TinyLFU admission and eviction instead of plain LRU (protects against scans)",
@@ -111,6 +117,131 @@ def build_parser() -> argparse.ArgumentParser:
         "tensors by CUDA IPC and the server copies with batched kernels (direct), through device "
         "staging and the copy engine (staged), or picks per request (auto, default); off: never use CUDA",
     )
+    ssd = p.add_argument_group(
+        "L3 SSD tier",
+        "blocks spill to local SSD files (O_DIRECT, io_uring) and are promoted back on a prefix hit; "
+        "checksummed, and served again after a restart. Without --ssd-cache-path the server is DRAM only",
+    )
+    ssd.add_argument(
+        "--ssd-cache-path",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a file or a directory for the SSD tier (repeatable: several paths, e.g. one per disk, are "
+        "striped so their bandwidth adds up); refused at start if it cannot be opened for O_DIRECT writing",
+    )
+    ssd.add_argument(
+        "--ssd-cache-capacity",
+        type=parsed_by(parse_size),
+        default=0,
+        metavar="SIZE",
+        help="total SSD tier capacity over all paths, e.g. 512gb; preallocated at start and refused if the "
+        "file systems cannot hold it",
+    )
+    ssd.add_argument(
+        "--ssd-write-policy",
+        choices=["on-reuse", "on-seal", "off"],
+        default="on-reuse",
+        help="when a DRAM block is written to SSD: at its first reuse (a second sighting; one-off blocks "
+        "never wear the disk; default), at seal (write-through), or never (serve only what was recovered)",
+    )
+    ssd.add_argument(
+        "--ssd-io-engine",
+        choices=["auto", "io_uring", "threads"],
+        default="auto",
+        help="io_uring (probed in a child process at start) or a thread pool of preadv/pwritev; auto picks "
+        "the faster one that works on this machine (default)",
+    )
+    ssd.add_argument(
+        "--ssd-segment-size",
+        type=parsed_by(parse_size),
+        default=0,
+        metavar="SIZE",
+        help="the SSD log's segment size, its unit of reuse (default: the tier's, see server/tiers/ssd)",
+    )
+    ssd.add_argument(
+        "--ssd-queue-depth",
+        type=int,
+        default=0,
+        metavar="N",
+        help="SSD I/Os in flight per path (default: the tier's)",
+    )
+    ssd.add_argument(
+        "--promote-inflight",
+        type=parsed_by(parse_size),
+        default=parse_size("1gb"),
+        metavar="SIZE",
+        help="bytes being promoted from SSD into DRAM at once; an SSD hit beyond it is a miss, counted "
+        "(default 1gb)",
+    )
+    ssd.add_argument(
+        "--demote-inflight",
+        type=parsed_by(parse_size),
+        default=parse_size("256mb"),
+        metavar="SIZE",
+        help="bytes being written to SSD at once; a block beyond it is not written, counted (default 256mb)",
+    )
+    peers = p.add_argument_group(
+        "L2 other nodes' DRAM",
+        "publish this node's blocks to pegaflow-metaserver and pull a prefix another node holds on a "
+        "local miss (TCP streams, or RDMA one-sided READ with --nics). Without --metaserver-addr this "
+        "node works alone",
+    )
+    peers.add_argument(
+        "--metaserver-addr",
+        default=None,
+        metavar="ADDR",
+        help="pegaflow-metaserver: host:port (the seed's http://host:port too), several host:port,... "
+        "replicas, or etcd://host:port[,...][/prefix] to find the leader through etcd. With it, --addr must "
+        "be this node's routable address: peers dial it",
+    )
+    peers.add_argument(
+        "--nics",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="DEV",
+        help="RDMA devices to pull over (e.g. mlx5_0 mlx5_1; repeatable). None, or none usable: TCP, said "
+        "once in the log",
+    )
+    peers.add_argument(
+        "--peer-transport",
+        choices=["auto", "tcp", "rdma"],
+        default="auto",
+        help="auto: RDMA when --nics names usable devices, else TCP (default); rdma refuses to start without",
+    )
+    peers.add_argument(
+        "--peer-streams", type=int, default=4, metavar="N", help="TCP streams per peer (default %(default)s)"
+    )
+    peers.add_argument(
+        "--peer-data-addr",
+        type=checked_by(parse_host_port),
+        default=None,
+        metavar="HOST:PORT",
+        help="where the peer data plane listens (default: --addr's host, a free port, told at handshake)",
+    )
+    peers.add_argument(
+        "--peer-fetch-deadline",
+        type=positive_seconds,
+        default=10.0,
+        metavar="SECONDS",
+        help="one pull from a peer, end to end; past it the pull is a miss (default %(default)s)",
+    )
+    peers.add_argument(
+        "--peer-transfer-ttl",
+        type=positive_seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="how long a peer keeps blocks pinned for one of our pulls; must outlive the fetch deadline "
+        "(default %(default)s)",
+    )
+    peers.add_argument(
+        "--peer-max-fetch-bytes",
+        type=parsed_by(parse_size),
+        default=parse_size("4gb"),
+        metavar="SIZE",
+        help="the most one pull moves (default 4gb)",
+    )
     add_log_level_flag(p)
     return p
 
@@ -122,12 +253,29 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         http_addr=args.http_addr,
         use_hugepages=args.use_hugepages,
         pool_dir=args.pool_dir,
+        persist_pool=args.persist_pool,
         enable_lfu_admission=args.enable_lfu_admission,
         hll_windows=args.metric_hll_windows,
         fd_socket_path=args.fd_socket_path,
         session_ttl_s=args.session_ttl,
         write_timeout_s=args.write_timeout,
         gpu_copy_mode=args.gpu_copy_mode,
+        ssd_cache_paths=tuple(args.ssd_cache_path),
+        ssd_cache_capacity_bytes=args.ssd_cache_capacity,
+        ssd_write_policy=args.ssd_write_policy,
+        ssd_io_engine=args.ssd_io_engine,
+        ssd_segment_bytes=args.ssd_segment_size,
+        ssd_queue_depth=args.ssd_queue_depth,
+        promote_inflight_bytes=args.promote_inflight,
+        demote_inflight_bytes=args.demote_inflight,
+        metaserver_addr=args.metaserver_addr,
+        nics=tuple(args.nics),
+        peer_transport=args.peer_transport,
+        peer_streams=args.peer_streams,
+        peer_data_addr=args.peer_data_addr,
+        peer_fetch_deadline_s=args.peer_fetch_deadline,
+        peer_transfer_ttl_s=args.peer_transfer_ttl,
+        peer_max_fetch_bytes=args.peer_max_fetch_bytes,
     )
 
 
@@ -143,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         server = start_server(config)
-    except PoolCapacityError as exc:
+    except (PoolCapacityError, ValueError) as exc:  # ValueError: SsdConfigError, a tier refusing its flags
         log.error("%s", exc)
         print(f"pegaflow-server: error: {exc}", file=sys.stderr)
         return 2

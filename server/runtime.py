@@ -27,13 +27,15 @@ from grpc_health.v1 import health, health_pb2_grpc
 
 from pegaflow.common.grpc_server import listen, mark_serving, new_grpc_server
 from pegaflow.common.metrics_http import MetricsHttpServer
-from pegaflow.proto import pegaflow_pb2, pegaflow_pb2_grpc
+from pegaflow.proto import pegaflow_pb2
 from pegaflow.server.config import ServerConfig, parse_host_port
+from pegaflow.server.endpoints.doorbell import DoorbellServer
+from pegaflow.server.endpoints.fd_broker import FdBroker
+from pegaflow.server.endpoints.grpc_servicer import EngineServicer, add_engine_servicer
+from pegaflow.server.endpoints.local_rpc import LocalRpcServer
+from pegaflow.server.endpoints.unix_socket import raise_open_file_limit
 from pegaflow.server.engine import KVEngine
 from pegaflow.server.metrics.registry import ServerMetrics
-from pegaflow.server.pool.fd_broker import FdBroker
-from pegaflow.server.rpc.local_socket import LocalRpcServer
-from pegaflow.server.rpc.servicer import EngineServicer
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,8 @@ class RunningServer:
         self.broker: FdBroker | None = None
         self.grpc_server: grpc.Server | None = None
         self.local_rpc: LocalRpcServer | None = None  # None when its socket could not be bound
+        self.doorbell: DoorbellServer | None = None  # the GPU data path's local socket, when there is one
+        self.peers = None  # server.peers.node.PeerNode with --metaserver-addr
         self.health: health.HealthServicer | None = None
         self.http: MetricsHttpServer | None = None
         self.address = ""
@@ -76,10 +80,14 @@ class RunningServer:
                 return
             if self.health is not None:
                 self.health.enter_graceful_shutdown()
+            if self.peers is not None:
+                self.peers.stop()  # stops pulling and publishing; peers' leases on us end with the engine
             if self.grpc_server is not None:
                 self.grpc_server.stop(grace_s).wait(grace_s + 1)
             if self.local_rpc is not None:
                 self.local_rpc.stop(grace_s)
+            if self.doorbell is not None:
+                self.doorbell.stop(grace_s)
             if self.http is not None:
                 self.http.stop()
             if self.broker is not None:
@@ -129,6 +137,23 @@ def _start_local_rpc(server: RunningServer, servicer: EngineServicer) -> None:
     server.local_rpc_socket_path = servicer.local_rpc_socket_path = path
 
 
+def _start_doorbell(server: RunningServer) -> None:
+    """The GPU data path's local socket (next to the others); without it workers use the RPCs."""
+    gpu = server.gpu
+    if gpu is None:
+        return
+    base, ext = os.path.splitext(server.fd_socket_path)
+    path = f"{base}.doorbell{ext or '.sock'}"
+    try:
+        doorbell = DoorbellServer(path, gpu, server.engine.epoch, server.config, server.metrics)
+    except OSError as exc:
+        log.warning("gpu doorbell socket %s unavailable (%s); GPU workers will use the RPCs", path, exc)
+        return
+    server.doorbell = doorbell
+    doorbell.start()
+    gpu.doorbell_path = path  # named in RegisterDeviceMemory's answer from now on
+
+
 def _start_gpu(config: ServerConfig, engine: KVEngine):
     """The GPU data path when CuPy and a GPU are present (it pins the pool for DMA once); else None."""
     if config.gpu_copy_mode == "off":
@@ -143,12 +168,35 @@ def _start_gpu(config: ServerConfig, engine: KVEngine):
     return gpu
 
 
+def open_ssd_tier(config: ServerConfig):
+    """The L3 SSD tier the flags ask for, or None. SsdConfigError (a ValueError) refuses the start."""
+    if not config.ssd_cache_paths:
+        return None
+    from pegaflow.server.tiers.ssd.config import SsdTierOptions
+    from pegaflow.server.tiers.ssd.tier import SsdTier
+
+    options = {"paths": config.ssd_cache_paths, "capacity_bytes": config.ssd_cache_capacity_bytes}
+    options["io_engine"] = config.ssd_io_engine
+    if config.ssd_segment_bytes:
+        options["segment_bytes"] = config.ssd_segment_bytes
+    if config.ssd_queue_depth:
+        options["queue_depth"] = config.ssd_queue_depth
+    return SsdTier(SsdTierOptions(**options))
+
+
 def start_server(config: ServerConfig) -> RunningServer:
     """Starts every part; on any failure stops what was started and re-raises."""
     server = RunningServer(config)
     try:
+        raise_open_file_limit()  # every local client costs a few descriptors (issue 12 F4)
         server.metrics = ServerMetrics(config.hll_windows)
-        server.engine = engine = KVEngine(config, observer=server.metrics)
+        ssd = open_ssd_tier(config)
+        try:
+            server.engine = engine = KVEngine(config, observer=server.metrics, ssd=ssd)
+        except BaseException:
+            if ssd is not None:
+                ssd.close()
+            raise
         server.metrics.bind(engine)
         server.gpu = _start_gpu(config, engine)
 
@@ -162,12 +210,20 @@ def start_server(config: ServerConfig) -> RunningServer:
         server.grpc_server = new_grpc_server(config.rpc_workers, "pegaflow-rpc", MAX_MESSAGE_BYTES)
         servicer = EngineServicer(engine, server.fd_socket_path, server.metrics, gpu=server.gpu)
         _start_local_rpc(server, servicer)  # before gRPC serves OpenSession, whose answer names it
-        pegaflow_pb2_grpc.add_EngineServicer_to_server(servicer, server.grpc_server)
+        _start_doorbell(server)  # before gRPC serves RegisterDeviceMemory, whose answer names it
+        add_engine_servicer(servicer, server.grpc_server)
         server.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(server.health, server.grpc_server)
         host, _ = parse_host_port(config.addr)
         server.address = listen(server.grpc_server, config.addr, host)
+        if config.metaserver_addr:
+            from pegaflow.server.peers.node import PeerNode  # the L2 parts only load when asked for
+
+            server.peers = PeerNode.create(config, engine, server.grpc_server, server.address)
+            server.metrics.add_collector(server.peers.stats)
         server.grpc_server.start()
+        if server.peers is not None:
+            server.peers.start()
 
         if config.http_addr is not None:
             http_host, http_port = parse_host_port(config.http_addr)

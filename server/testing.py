@@ -171,6 +171,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def wait_for(predicate, timeout_s: float = 60.0, interval_s: float = 0.05, what: str = "condition") -> None:
+    """Polls ``predicate`` until it is true; after ``timeout_s`` raises AssertionError (a test failure)
+    naming ``what``. For tests and benchmarks of every part: the one polling helper, so none sleeps
+    and hopes."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout_s} s")
+        time.sleep(interval_s)
+
+
 def sigstop(pid: int, timeout_s: float = 10.0) -> None:
     """SIGSTOP ``pid`` and wait until every thread of it is stopped (state T): a frozen server, as
     a hung host would leave it. Raises TimeoutError if it does not stop in time."""

@@ -13,7 +13,7 @@ import os
 import pathlib
 import tempfile
 
-from pegaflow.server.pool.allocator import default_slab_bytes, slot_stride
+from pegaflow.server.tiers.dram.allocator import default_slab_bytes, slot_stride
 from pegaflow.tools.vllm_cpu.tiny_model import TinyModelSpec, ensure_tiny_model
 
 # Llama, 4 layers, 8 KV heads x 64 dims: 8 KiB of bf16 KV per token, 1 MiB per 128-token block.

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from pegaflow.bench.harness import models, results
-from pegaflow.server.pool.allocator import SlabAllocator
+from pegaflow.server.tiers.dram.allocator import SlabAllocator
 
 
 def rec(index, prompt, cached, ttft, ok=True, start=0.0, e2e=1.0, instance=0):

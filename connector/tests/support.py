@@ -80,7 +80,7 @@ def worker(
 
 def step(w: WorkerConnector, meta: PegaConnectorMetadata) -> tuple[set[str], set[int]]:
     """One engine step in vLLM's hook order; returns (finished_sending, failed block ids)."""
-    w.handle_preemptions(meta.preempted_req_ids)
+    w.begin_step(meta)  # vLLM's handle_preemptions: settles preempted saves, starts host loads
     w.start_load(meta)
     for name in LAYER_NAMES:
         w.wait_for_layer(name)

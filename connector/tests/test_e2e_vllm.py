@@ -133,3 +133,81 @@ def test_c_two_models_in_one_server_never_see_each_others_blocks(fleet):
     model_a, model_b = os.path.realpath(a1.model), os.path.realpath(b.model)
     assert {model_a, model_b} <= set(namespaces)
     assert namespaces[model_a].namespace_id != namespaces[model_b].namespace_id
+
+
+def test_d_vllms_own_metrics_count_the_connectors_lookups_loads_and_saves(fleet):
+    """vLLM's /metrics shows the connector's stats (connector/stats.py), and they moved by exactly
+    what a cold and a warm request did, in the server's own accounting too."""
+    from pegaflow.connector.tests.support import wait_for
+
+    a1, stats = fleet["a1"], fleet["stats"]
+    bs = a1.metrics().block_size
+    stored_blocks = full_blocks(a1, PROMPT_TOKENS, MAX_TOKENS)  # stored by the cold request
+    loaded_tokens = loadable_tokens(a1, PROMPT_TOKENS)  # taken by the warm one
+    names = (
+        "lookups",
+        "lookup_blocks",
+        "lookup_hit_blocks",
+        "hit_tokens",
+        "lookup_failures",
+        "lookups_skipped",
+        "load_blocks",
+        "load_bytes",
+        "load_failed_blocks",
+        "load_timeouts",
+        "save_blocks",
+        "save_bytes",
+        "save_deduplicated_blocks",
+        "save_dropped_blocks",
+        "save_failures",
+    )
+
+    def series():
+        m = a1.metrics()
+        got = {n: m.value(f"vllm:pegaflow_{n}_total", engine="0") for n in names}
+        for h in ("lookup_seconds", "load_seconds", "load_stall_seconds", "save_seconds"):
+            got[h] = m.value(f"vllm:pegaflow_{h}_count", engine="0")
+        got["external_hits"] = m.external_hit_tokens
+        assert (("vllm:pegaflow_lookups_total", (("engine", "0"), ("model_name", a1.model)))) in m.samples
+        return got
+
+    def moved(before, after):
+        return {k: after[k] - before[k] for k in before}
+
+    p = prompt(404)
+    s0, m0 = stats.stats(), series()
+    ask(a1, p)
+    wait_stored(stats, s0.resident_blocks + stored_blocks)
+    # the saves' numbers reach vLLM with the steps that report them done (after the response)
+    m1 = wait_for(lambda: (m := series())["save_blocks"] - m0["save_blocks"] >= stored_blocks and m)
+    s1 = stats.stats()
+    block_bytes = (s1.save_bytes - s0.save_bytes) // stored_blocks  # the server's own count
+    cold = moved(m0, m1)
+    assert block_bytes > 0
+    assert cold["lookups"] == cold["lookup_seconds"] == 1
+    assert cold["lookup_blocks"] == PROMPT_TOKENS // bs and cold["lookup_hit_blocks"] == 0
+    assert cold["hit_tokens"] == cold["external_hits"] == 0
+    assert cold["save_blocks"] == stored_blocks
+    assert cold["save_bytes"] == s1.save_bytes - s0.save_bytes == stored_blocks * block_bytes
+    assert cold["save_seconds"] >= 1
+    assert cold["load_blocks"] == cold["load_bytes"] == cold["load_seconds"] == 0
+
+    ask(a1, p)
+    m2 = wait_for(lambda: (m := series())["load_blocks"] - m1["load_blocks"] >= loaded_tokens // bs and m)
+    warm = moved(m1, m2)
+    assert warm["lookups"] == warm["lookup_seconds"] == 1
+    assert warm["lookup_hit_blocks"] == PROMPT_TOKENS // bs  # every full prompt block is stored
+    assert warm["hit_tokens"] == warm["external_hits"] == loaded_tokens  # vLLM's own count agrees
+    assert warm["load_blocks"] == loaded_tokens // bs
+    assert warm["load_bytes"] == loaded_tokens // bs * block_bytes
+    assert warm["load_seconds"] == warm["load_stall_seconds"] == 1  # one loading step
+    assert warm["save_blocks"] == warm["save_bytes"] == 0  # the warm request completes no new block
+    for failure in (
+        "lookup_failures",
+        "lookups_skipped",
+        "load_failed_blocks",
+        "load_timeouts",
+        "save_dropped_blocks",
+        "save_failures",
+    ):
+        assert cold[failure] == warm[failure] == 0, failure

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from pegaflow.connector.kv_pages import KvPages, LayoutMismatch, Run, plan_runs
+from pegaflow.connector.kv_pages import KvPages, LayoutMismatch, Run, copy_units, plan_runs
 
 NUM_BLOCKS, HEADS, TOKENS, WIDTH, LAYERS = 16, 2, 8, 16, 3
 
@@ -73,6 +73,43 @@ def test_save_then_load_round_trips_whole_pages_at_scattered_offsets():
             assert torch.equal(dst_caches[name][b_dst], cpu_attn_caches(seed=1)[name][b_src])
     others = set(range(NUM_BLOCKS)) - set(targets)
     assert all(not any(dst.block_bytes_of(b)) for b in others)
+
+
+def test_copy_units_cover_every_page_once_in_layer_order_and_load_the_same_bytes():
+    src = pages_of(cpu_attn_caches(seed=4))
+    bb, page = src.block_bytes, src.page_bytes
+    pool_a = torch.zeros(20 * bb, dtype=torch.uint8)
+    pool_b = torch.zeros(20 * bb, dtype=torch.uint8)  # a second epoch's pool: units never mix pools
+    runs_a = plan_runs([0, 1, 2, 3, 4, 5, 6], [s * bb for s in range(7)], bb)  # one long run
+    runs_b = plan_runs([9, 12], [3 * bb, 8 * bb], bb)  # two single blocks
+    src.save_blocks(pool_a, runs_a)
+    src.save_blocks(pool_b, runs_b)
+    units = copy_units([(pool_a, runs_a), (pool_b, runs_b)], LAYERS, page, unit_bytes=3 * page)
+    assert [u[0] for u in units] == sorted(u[0] for u in units)  # layer order
+    for layer in range(LAYERS):
+        mine = [u for u in units if u[0] == layer]
+        pages = [
+            (id(pool), r.block_id + k)
+            for _, pieces, _ in mine
+            for pool, rs in pieces
+            for r in rs
+            for k in range(r.count)
+        ]
+        assert sorted(pages) == sorted(
+            [(id(pool_a), b) for b in range(7)] + [(id(pool_b), 9), (id(pool_b), 12)]
+        )
+        assert all(nbytes <= 3 * page for _, _, nbytes in mine)
+        assert sum(nbytes for _, _, nbytes in mine) == 9 * page
+    dst_caches = cpu_attn_caches(seed=None)
+    dst = pages_of(dst_caches)
+    for layer, pieces, _ in reversed(units):  # any order, any thread: each unit stands alone
+        for pool, rs in pieces:
+            dst.load_layer(pool, rs, layer)
+    for b in [0, 1, 2, 3, 4, 5, 6, 9, 12]:
+        assert dst.block_bytes_of(b) == src.block_bytes_of(b)
+    assert not any(dst.block_bytes_of(7)) and not any(dst.block_bytes_of(10))
+    # a unit smaller than a page still moves whole pages, one per unit
+    assert len(copy_units([(pool_a, runs_a)], LAYERS, page, unit_bytes=1)) == 7 * LAYERS
 
 
 def test_layer_by_layer_load_touches_only_that_layer():

@@ -27,8 +27,10 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from pegaflow.connector import PegaKVConnector
 from pegaflow.connector.config import load_config
 from pegaflow.connector.namespace import build_layouts, layout_for_rank
+from pegaflow.connector.stats import PegaKVConnectorStats
 from pegaflow.connector.tests.support import wait_for
 from pegaflow.connector.worker import WorkerConnector
 from pegaflow.server.testing import ServerProcess
@@ -112,6 +114,7 @@ class Engine:
         # what EngineCore does once the workers registered their KV caches
         self.scheduler.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): self.worker.handshake()})
         self.outputs = []
+        self.connector_stats = []  # SchedulerStats.kv_connector_stats payloads, per step
 
     @property
     def connector(self):
@@ -129,7 +132,7 @@ class Engine:
         so = self.scheduler.schedule()
         meta = so.kv_connector_metadata
         w = self.worker
-        w.handle_preemptions(meta.preempted_req_ids)
+        w.begin_step(meta)  # what PegaKVConnector.handle_preemptions calls
         w.start_load(meta)
         for name in LAYER_NAMES:
             w.wait_for_layer(name)
@@ -144,12 +147,17 @@ class Engine:
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[[11] for _ in req_ids],
             kv_connector_output=KVConnectorOutput(
-                finished_sending=sending or None, invalid_block_ids=invalid
+                finished_sending=sending or None,
+                invalid_block_ids=invalid,
+                kv_connector_stats=self.worker.metrics.take(),  # what the worker role returns
             ),
         )
         out = self.scheduler.update_from_output(so, mro)
         for engine_outputs in out.values():
             self.outputs.extend(engine_outputs.outputs)
+            stats = engine_outputs.scheduler_stats
+            if stats is not None and stats.kv_connector_stats is not None:
+                self.connector_stats.append(stats.kv_connector_stats)
         return so, meta, invalid
 
     def finished(self, req_id: str):
@@ -253,6 +261,38 @@ def test_saved_blocks_come_back_byte_for_byte_in_a_later_request(model_dir, serv
         engine.close()
 
 
+def test_vllm_carries_the_connectors_stats_of_both_roles(model_dir, server):
+    """What vLLM's Scheduler hands to its loggers (SchedulerStats.kv_connector_stats, every step)
+    adds up to exactly what a cold and a warm request moved."""
+    engine = Engine(model_dir, server.addr)
+    try:
+        attached(engine)
+        store_prompt(engine)
+        engine.add("r2")
+        engine.step()
+        assert engine.finished("r2")
+        total = PegaKVConnectorStats()
+        for payload in engine.connector_stats:
+            total.aggregate(PegaKVConnector.build_kv_connector_stats(payload))
+        block = PAGE * LAYERS
+        assert total.counters == {
+            "lookups": 2,  # r1 (nothing stored yet) and r2
+            "lookup_blocks": 2 * FULL,
+            "lookup_hit_blocks": FULL,
+            "hit_tokens": FULL * BS,
+            "save_blocks": FULL,  # r1's full blocks; r2 completes none
+            "save_bytes": FULL * block,
+            "load_blocks": FULL,
+            "load_bytes": FULL * block,
+        }
+        assert len(total.samples["lookup_seconds"]) == 2
+        assert len(total.samples["load_seconds"]) == len(total.samples["load_stall_seconds"]) == 1
+        assert len(total.samples["save_seconds"]) == 1
+        assert engine.scheduler.connector.get_kv_connector_stats() is None  # all handed over
+    finally:
+        engine.close()
+
+
 def failed_load_after_lookup(model_dir, server, **extra):
     """R3's lookup finds the prompt, then the server dies before the worker loads it."""
     engine = Engine(model_dir, server.addr, **extra)
@@ -271,6 +311,8 @@ def failed_load_after_lookup(model_dir, server, **extra):
     w.finish_step(meta)
     invalid = w.take_load_errors()
     assert invalid == set(meta.loads[0].block_ids)
+    failed = w.metrics.take()
+    assert failed.counters["load_failed_blocks"] == FULL and failed.counters.get("load_blocks", 0) == 0
     mro = ModelRunnerOutput(
         req_ids=["r3"],
         req_id_to_index={"r3": 0},

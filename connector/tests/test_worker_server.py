@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -16,6 +17,7 @@ from pegaflow.connector.mla import writer_rank
 from pegaflow.connector.scheduler import ServerPrefixLookup
 from pegaflow.connector.server_link import ServerLink
 from pegaflow.connector.tests.support import (
+    BLOCK_BYTES,
     LAYER_NAMES,
     block_bytes,
     config,
@@ -301,6 +303,42 @@ def test_each_layer_has_landed_when_its_wait_returns(server):
         assert b.take_load_errors() == set()
         assert b.stats["loaded_blocks"] == 8
     finally:
+        a.shutdown(), b.shutdown()
+
+
+def test_the_step_thread_copies_every_layer_when_the_load_thread_is_busy(server):
+    """Under concurrent arrivals the load thread's core is shared with the API server and
+    EngineCore: the step thread must not idle waiting for it, it copies what it needs itself."""
+    cfg = config(server.addr)
+    src, dst = kv_caches(seed=11), kv_caches(seed=None)
+    a = worker(cfg, layout(), src, "a")
+    b = worker(cfg, layout(), dst, "b")
+    gate = threading.Event()
+    try:
+        attached(a, b)
+        hs = hashes("busy-load-thread", 6)
+        save_and_wait(a, "r1", list(range(6)), hs)
+        b._load_thread.submit(gate.wait, 60)  # the load thread is held elsewhere for this step
+        t0 = time.monotonic()
+        _, failed = step(b, load_meta("r2", list(range(20, 26)), hs))
+        assert failed == set()
+        # not at the deadline: the step thread did the copies (the load thread never ran)
+        assert time.monotonic() - t0 < cfg.load_timeout_s
+        for k in range(6):
+            assert block_bytes(dst, 20 + k) == block_bytes(src, k)
+        got = b.metrics.take()
+        assert got.counters["load_blocks"] == 6 and "load_failed_blocks" not in got.counters
+        assert got.counters["load_bytes"] == 6 * BLOCK_BYTES
+        gate.set()
+        # and with the load thread free, the same load lands the same bytes
+        for t in dst.values():
+            t.zero_()
+        _, failed = step(b, load_meta("r3", list(range(26, 32)), hs))
+        assert failed == set()
+        for k in range(6):
+            assert block_bytes(dst, 26 + k) == block_bytes(src, k)
+    finally:
+        gate.set()
         a.shutdown(), b.shutdown()
 
 

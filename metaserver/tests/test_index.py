@@ -142,23 +142,43 @@ def test_unregister_drops_the_node(index):
         index.unregister(a.lease_id)
 
 
-def test_cap_evicts_the_longest_unpublished_keys_first(clock):
-    index = GlobalIndex(max_entries=10, clock=clock)
+def test_cap_bounds_the_table_and_evicts_the_oldest_neighbours(clock):
+    index = GlobalIndex(max_entries=16, clock=clock)  # two buckets of 8: every key may use both
+    assert index.max_entries == 16
     a = index.register("a", "h:1", ttl_s=10)
     b = index.register("b", "h:2", ttl_s=10)
-    index.publish(a.lease_id, [NamespaceDelta(NS, added=[h(i) for i in range(8)])])
+    index.publish(a.lease_id, [NamespaceDelta(NS, added=[h(i) for i in range(14)])])
     index.publish(b.lease_id, [NamespaceDelta(NS, added=[h(0)])])  # republished: h(0) is now the freshest
     r = index.publish(b.lease_id, [NamespaceDelta(NS, added=[h(i) for i in range(100, 105)])])
     assert r.evicted == 3
-    assert len(index) == 10
-    # h(1), h(2), h(3) were the oldest; h(0) survived because it was published again.
+    assert len(index) == 16
+    # With both buckets full the oldest stamps go first: three of a's first batch, never h(0).
     assert hits(index, [h(0)]) == [("a", 1), ("b", 1)]
-    assert hits(index, [h(1)]) == []
-    assert hits(index, [h(4)]) == [("a", 1)]
-    assert index.node_entries(a.lease_id) == 8 - 3
+    survivors = sum(1 for i in range(1, 14) if hits(index, [h(i)]) == [("a", 1)])
+    assert survivors == 13 - 3
+    assert all(hits(index, [h(i)]) == [("b", 1)] for i in range(100, 105))
+    assert index.node_entries(a.lease_id) == 14 - 3
     assert index.node_entries(b.lease_id) == 6
     stats = index.stats()
-    assert stats.evicted_entries == 3 and stats.entries == 10 and stats.max_entries == 10
+    assert stats.evicted_entries == 3 and stats.entries == 16 and stats.max_entries == 16
+
+
+def test_a_large_table_holds_what_it_was_given_and_never_answers_a_wrong_node(clock):
+    index = GlobalIndex(max_entries=200_000, clock=clock)
+    nodes = [index.register(f"n{i}", f"h:{i + 1}", ttl_s=1000) for i in range(70)]  # > 64: a 2nd word
+    for i, node in enumerate(nodes):
+        index.publish(node.lease_id, [NamespaceDelta(NS, added=[h(i * 1000 + k) for k in range(1000)])])
+    assert len(index) == 70_000 and index.stats().evicted_entries == 0
+    for i in (0, 63, 64, 69):
+        prefix = [h(i * 1000 + k) for k in range(64)]
+        assert hits(index, prefix) == [(f"n{i}", 64)]
+        assert hits(index, prefix, namespace="ns-other") == []
+    # Hashes of other lengths (and longer than 32 bytes: digested) are distinct keys.
+    long_hash = b"L" * 40
+    index.publish(nodes[5].lease_id, [NamespaceDelta(NS, added=[long_hash, b"\xff" * 8, b"\xff"])])
+    assert hits(index, [long_hash]) == [("n5", 1)]
+    assert hits(index, [b"L" * 41]) == [] and hits(index, [b"\xff" * 7]) == []
+    assert hits(index, [b"\xff"]) == [("n5", 1)] and hits(index, [b"\xff" * 8]) == [("n5", 1)]
 
 
 def test_sweep_clears_dead_bits_and_recycles_ordinals(clock):

@@ -217,23 +217,24 @@ def metric_value(http_addr: str, name: str, labels: str = "") -> float:
     raise AssertionError(f"{name}{labels} not in /metrics")
 
 
-def test_entry_cap_evicts_oldest_and_counts_in_metrics():
-    proc, ready = start_metaserver("--max-entries", "100", "--log-level", "warning")
+def test_entry_cap_bounds_the_table_and_counts_evictions_in_metrics():
+    # --max-entries 16: two buckets of 8 slots, both open to every key.
+    proc, ready = start_metaserver("--max-entries", "16", "--log-level", "warning")
     try:
         with MetaClient(ready["addr"]) as c:
             reg = c.register("capped", "10.9.9.9:50055")
-            r1 = c.publish(reg.lease_id, NS, added=[block_hash(i) for i in range(80)])
-            r2 = c.publish(reg.lease_id, NS, added=[block_hash(i) for i in range(80, 150)])
-            assert (r1.evicted, r2.evicted) == (0, 50)
+            r1 = c.publish(reg.lease_id, NS, added=[block_hash(i) for i in range(12)])
+            r2 = c.publish(reg.lease_id, NS, added=[block_hash(i) for i in range(12, 20)])
+            assert (r1.evicted, r2.evicted) == (0, 4)
             stats = c.stats()
-            assert stats.entries == 100 and stats.max_entries == 100 and stats.evicted_entries == 50
-            assert c.heartbeat(reg.lease_id) == 100
-            # The oldest 50 went: the prefix from block 0 is unknown, from block 50 it is whole.
-            assert c.locate(NS, [block_hash(0)]) == []
-            hits = c.locate(NS, [block_hash(i) for i in range(50, 150)])
-            assert [(h.node_id, h.num_blocks) for h in hits] == [("capped", 100)]
-            assert metric_value(ready["http_addr"], "pegaflow_meta_evicted_entries_total") == 50
-            assert metric_value(ready["http_addr"], "pegaflow_meta_entries") == 100
+            assert stats.entries == 16 and stats.max_entries == 16 and stats.evicted_entries == 4
+            assert c.heartbeat(reg.lease_id) == 16
+            # The oldest publish lost 4 keys; the newest is whole.
+            assert sum(1 for i in range(12) if c.locate(NS, [block_hash(i)])) == 8
+            hits = c.locate(NS, [block_hash(i) for i in range(12, 20)])
+            assert [(h.node_id, h.num_blocks) for h in hits] == [("capped", 8)]
+            assert metric_value(ready["http_addr"], "pegaflow_meta_evicted_entries_total") == 4
+            assert metric_value(ready["http_addr"], "pegaflow_meta_entries") == 16
     finally:
         kill_group(proc)
 
@@ -389,7 +390,18 @@ def test_cli_help_documents_every_flag():
         timeout=60,
         check=True,
     ).stdout
-    for flag in ("--addr", "--http-addr", "--max-entries", "--max-nodes", "--lease-ttl", "--log-level"):
+    for flag in (
+        "--addr",
+        "--http-addr",
+        "--max-entries",
+        "--max-nodes",
+        "--lease-ttl",
+        "--log-level",
+        "--etcd-endpoints",
+        "--etcd-prefix",
+        "--leader-ttl",
+        "--advertise-addr",
+    ):
         assert flag in out
     bad = subprocess.run(
         [sys.executable, "-m", "pegaflow.metaserver", "--max-entries", "0"],

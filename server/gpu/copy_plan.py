@@ -2,20 +2,10 @@
 
 Pure numpy, no CUDA: everything here is tested on CPU.
 
-A stored block is the concatenation, in a fixed order, of *segments*. A segment
-is one contiguous run of bytes per block inside one of the worker's KV tensors:
-block ``b``'s bytes of segment ``s`` start at ``tensor_addr[s.tensor] + s.offset
-+ b * s.stride`` and are ``s.nbytes`` long. Every vLLM GPU layout is a list of
-segments:
-
-* per-layer tensors with K and V separate, ``[2, num_blocks, ...]`` per layer:
-  two segments per layer (K at offset 0, V at offset ``num_blocks * stride``);
-* per-layer blocks-first, ``[num_blocks, 2, ...]``: one segment per layer;
-* cross-layer blocks, ``[num_blocks, num_layers, 2, ...]``: one segment;
-* MLA, ``[num_blocks, block_size, latent]`` per layer: one segment per layer.
-
-The first three all store "layer-major, K before V" and so produce identical
-stored bytes for the same model; a namespace is free to share them.
+A stored block is the concatenation, in a fixed order, of *segments* (contiguous runs of bytes
+per block inside the worker's KV tensors; ``Segment`` and ``segments_from_strides``, shared with
+the worker side, are in ``pegaflow.common.wire.device_registration``, which says how every vLLM
+GPU layout becomes a segment list).
 
 Per registration the layout is cut once into an *item table* (each segment
 split into pieces of at most ``max_piece_bytes``, tensor addresses folded in)
@@ -34,74 +24,19 @@ from collections.abc import Sequence
 
 import numpy as np
 
+# The registration's value types are shared with the worker side (one definition, common/wire).
+from pegaflow.common.wire.device_registration import (
+    LayoutError,
+    Segment,
+    check_segments,
+    segments_from_strides,
+)
+
+__all__ = ["BlockLayout", "LayoutError", "Segment", "item_table", "segments_from_strides"]
+
 # Pieces are cut on this boundary so that 16-byte vector accesses stay aligned.
 VECTOR_BYTES = 16
 DEFAULT_MAX_PIECE_BYTES = 64 * 1024  # one thread block's share; 32-64 KiB measured equal on an H200
-
-
-class LayoutError(ValueError):
-    """A KV tensor layout the copy planner cannot describe or that does not fit its tensors."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Segment:
-    """One contiguous run of bytes per block inside one KV tensor."""
-
-    tensor: int  # index into the registration's tensor list
-    offset: int  # bytes from the tensor's start to block 0's bytes of this segment
-    stride: int  # bytes between the same segment of consecutive blocks
-    nbytes: int  # contiguous bytes per block
-
-
-def segments_from_strides(
-    tensor: int, shape: Sequence[int], strides: Sequence[int], itemsize: int, block_dim: int
-) -> list[Segment]:
-    """The segments of one strided tensor whose dimension ``block_dim`` indexes KV blocks.
-
-    ``strides`` are in elements (as torch reports them). Dimensions with a larger
-    stride than the block dimension (e.g. the K/V dimension of ``[2, blocks, ...]``)
-    become separate segments, in index order; the remaining dimensions must cover
-    one dense byte range per block (any physical order: the bytes are opaque).
-    """
-    shape = [int(s) for s in shape]
-    strides = [int(s) for s in strides]
-    if len(shape) != len(strides) or not shape:
-        raise LayoutError(f"shape {shape} and strides {strides} do not describe a tensor")
-    if not 0 <= block_dim < len(shape):
-        raise LayoutError(f"block dimension {block_dim} is outside a {len(shape)}-d tensor")
-    if itemsize <= 0:
-        raise LayoutError(f"itemsize must be positive, got {itemsize}")
-    if any(s <= 0 for s in shape):
-        raise LayoutError(f"every dimension must be non-empty, got shape {shape}")
-    if any(st < 0 for st in strides):
-        raise LayoutError(f"negative strides are not supported: {strides}")
-    block_stride = strides[block_dim]
-    outer = [d for d in range(len(shape)) if d != block_dim and shape[d] > 1 and strides[d] > block_stride]
-    inner = [d for d in range(len(shape)) if d != block_dim and shape[d] > 1 and strides[d] <= block_stride]
-    # The inner dimensions, innermost first, must tile one dense range per block.
-    expected = 1
-    for d in sorted(inner, key=lambda d: strides[d]):
-        if strides[d] != expected:
-            raise LayoutError(
-                f"tensor {tensor}: the bytes of one block are not contiguous "
-                f"(shape {shape}, strides {strides})"
-            )
-        expected *= shape[d]
-    piece_elems = expected
-    if shape[block_dim] > 1 and block_stride < piece_elems:
-        raise LayoutError(f"tensor {tensor}: blocks overlap (shape {shape}, strides {strides})")
-    offsets = np.zeros(1, dtype=np.int64)
-    for d in outer:
-        offsets = (offsets[:, None] + np.arange(shape[d], dtype=np.int64)[None, :] * strides[d]).reshape(-1)
-    return [
-        Segment(
-            tensor=tensor,
-            offset=int(o) * itemsize,
-            stride=block_stride * itemsize,
-            nbytes=piece_elems * itemsize,
-        )
-        for o in offsets
-    ]
 
 
 class BlockLayout:
@@ -112,30 +47,10 @@ class BlockLayout:
     """
 
     def __init__(self, segments: Sequence[Segment], tensor_sizes: Sequence[int], num_blocks: int):
-        if not segments:
-            raise LayoutError("a layout needs at least one segment")
-        if num_blocks <= 0:
-            raise LayoutError(f"num_blocks must be positive, got {num_blocks}")
+        check_segments(segments, tensor_sizes, num_blocks)
         self.segments = tuple(segments)
         self.tensor_sizes = tuple(int(s) for s in tensor_sizes)
         self.num_blocks = int(num_blocks)
-        for i, seg in enumerate(self.segments):
-            if not 0 <= seg.tensor < len(self.tensor_sizes):
-                raise LayoutError(
-                    f"segment {i} names tensor {seg.tensor}; there are {len(self.tensor_sizes)}"
-                )
-            if seg.nbytes <= 0 or seg.offset < 0 or seg.stride < 0:
-                raise LayoutError(f"segment {i} has a negative offset/stride or no bytes: {seg}")
-            if self.num_blocks > 1 and seg.stride < seg.nbytes:
-                raise LayoutError(
-                    f"segment {i}: stride {seg.stride} < {seg.nbytes} bytes, blocks would overlap"
-                )
-            end = seg.offset + (self.num_blocks - 1) * seg.stride + seg.nbytes
-            if end > self.tensor_sizes[seg.tensor]:
-                raise LayoutError(
-                    f"segment {i} reaches byte {end} of tensor {seg.tensor}, "
-                    f"which has {self.tensor_sizes[seg.tensor]} bytes"
-                )
         self.seg_tensor = np.array([s.tensor for s in self.segments], dtype=np.int64)
         self.seg_offset = np.array([s.offset for s in self.segments], dtype=np.uint64)
         self.seg_stride = np.array([s.stride for s in self.segments], dtype=np.uint64)
@@ -332,3 +247,52 @@ def plan_staged(host_offsets: np.ndarray, block_bytes: int, slot_bytes: int) -> 
         run_bytes=run_len.astype(np.uint64) * bb,
         run_starts=np.append(run_group_starts, run_first.size).astype(np.int64),
     )
+
+
+# A request's chunks (``pipeline_chunks``): the first is small so that the GPU starts at once; each
+# next one at most CHUNK_GROWTH times larger, so the engine work that precedes it (allocate or query:
+# a few microseconds per block) takes less time than the copy of the chunk before it, which moves a
+# block in 20-40 microseconds; the last ones shrink again so that what is left after the last byte
+# arrives (sealing that chunk, or releasing its lease) is small work.
+FIRST_CHUNK_BYTES = 8 << 20
+LAST_CHUNK_BYTES = 16 << 20
+LARGEST_CHUNK_BYTES = 256 << 20
+CHUNK_GROWTH = 2
+
+
+def pipeline_chunks(
+    n: int,
+    block_bytes: int,
+    first_bytes: int = FIRST_CHUNK_BYTES,
+    last_bytes: int = LAST_CHUNK_BYTES,
+    largest_bytes: int = LARGEST_CHUNK_BYTES,
+    growth: int = CHUNK_GROWTH,
+) -> list[tuple[int, int]]:
+    """``(lo, hi)`` bounds cutting ``n`` blocks into chunks that ramp up from ``first_bytes`` and back
+    down to ``last_bytes`` (whole blocks, at least one each), each at most ``largest_bytes``."""
+    if n < 0 or block_bytes <= 0 or growth < 1:
+        raise ValueError("n must be >= 0, block_bytes > 0 and growth >= 1")
+    largest = max(1, largest_bytes // block_bytes)
+    front_size = min(max(1, first_bytes // block_bytes), largest)
+    back_size = min(max(1, last_bytes // block_bytes), largest)
+    front: list[int] = []
+    back: list[int] = []
+    left = n
+    while left > 0:
+        # The rest goes into one middle chunk once it is no larger than half again the next front one.
+        if left <= front_size + front_size // 2:
+            front.append(left)
+            break
+        front.append(front_size)
+        left -= front_size
+        front_size = min(front_size * growth, largest)
+        if left <= back_size:
+            back.append(left)
+            break
+        back.append(back_size)
+        left -= back_size
+        back_size = min(back_size * growth, largest)
+    bounds = [0]
+    for size in front + back[::-1]:
+        bounds.append(bounds[-1] + size)
+    return list(zip(bounds, bounds[1:], strict=False))

@@ -141,6 +141,7 @@ class BatchedCopyKernel:
             raise ValueError(f"unroll must be >= 1, got {self.config.unroll}")
         self._lock = threading.Lock()
         self._kernel = None
+        self._functions: dict[int, object] = {}  # device -> compiled Function
         self._sm_count: dict[int, int] = {}
 
     def _raw_kernel(self):
@@ -158,16 +159,26 @@ class BatchedCopyKernel:
             self._sm_count[device] = int(props["multiProcessorCount"])
         return max(1, min(work, self.config.ctas_per_sm * self._sm_count[device]))
 
-    def compile(self, device: int) -> None:
-        """Compiles for ``device`` now (so the first request does not pay NVRTC's time)."""
+    def compile(self, device: int):
+        """Compiles and loads the kernel for ``device`` now (so the first request does not pay
+        NVRTC's time); returns its compiled Function (``.ptr`` is the CUfunction)."""
+        with self._lock:
+            fn = self._functions.get(device)
+        if fn is not None:
+            return fn
         cupy = cuda_runtime.cupy_module()
         kernel = self._raw_kernel()
         with self._lock, cupy.cuda.Device(device):  # both lanes of a GPU compile at start-up
-            kernel.compile()
+            fn = self._functions.get(device)
+            if fn is None:
+                kernel.compile()
+                fn = self._functions[device] = kernel.kernel
+        return fn
 
     def launch(
         self,
-        stream,
+        calls,
+        stream: int,
         device: int,
         items_ptr: int,
         items: int,
@@ -177,27 +188,31 @@ class BatchedCopyKernel:
         blocks: int,
         to_host: bool,
     ) -> None:
-        """Enqueues one launch moving ``blocks`` blocks on ``stream`` (a cupy Stream of ``device``).
+        """Enqueues one launch moving ``blocks`` blocks on ``stream`` (a CUstream of ``device``).
 
-        The caller has made ``device`` current on this thread. ``ids_ptr`` and
-        ``offs_ptr`` point at ``blocks`` uint64 each in device memory.
+        ``calls`` is a ``cuda_runtime.StreamCalls`` (or its CuPy fallback). The caller has made
+        ``device`` current on this thread. ``ids_ptr`` and ``offs_ptr`` point at ``blocks``
+        uint64 each in device memory.
         """
         if blocks <= 0 or items <= 0:
             return
         if blocks >= 1 << 32 or items >= 1 << 32:
             raise ValueError(f"{blocks} blocks x {items} items is more than one launch indexes")
-        kernel = self._raw_kernel()
-        with stream:
-            kernel(
-                (self.grid(blocks * items, device),),
-                (self.config.threads,),
-                (
-                    np.uint64(items_ptr),
-                    np.uint32(items),
-                    np.uint64(ids_ptr),
-                    np.uint64(offs_ptr),
-                    np.uint64(host_base),
-                    np.uint32(blocks),
-                    np.int32(1 if to_host else 0),
-                ),
-            )
+        fn = self._functions.get(device)
+        if fn is None:
+            fn = self.compile(device)
+        calls.launch(
+            fn,
+            self.grid(blocks * items, device),
+            self.config.threads,
+            stream,
+            (
+                np.uint64(items_ptr),
+                np.uint32(items),
+                np.uint64(ids_ptr),
+                np.uint64(offs_ptr),
+                np.uint64(host_base),
+                np.uint32(blocks),
+                np.int32(1 if to_host else 0),
+            ),
+        )

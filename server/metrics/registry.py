@@ -21,7 +21,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pegaflow.server.engine import EngineObserver, KVEngine
 from pegaflow.server.metrics.hll_ceiling import HitRateCeiling
+from pegaflow.server.metrics.lookup_insights import LookupInsights
 from pegaflow.server.metrics.windowed_rate import WindowedHitRate
+from pegaflow.server.store.stats import TIER_METRICS, metric_fields
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,18 @@ class ServerMetrics(EngineObserver):
             buckets=TRANSFER_BUCKETS,
             registry=self.registry,
         )
+        self.transfer_duration = Histogram(
+            "pegaflow_promotion_duration_seconds",
+            "Time from planning a batch of SSD -> DRAM promotions to its completion",
+            buckets=TRANSFER_BUCKETS,
+            registry=self.registry,
+        )
+        self.demotion_duration = Histogram(
+            "pegaflow_demotion_duration_seconds",
+            "Time from planning a batch of DRAM -> SSD writes to its completion",
+            buckets=TRANSFER_BUCKETS,
+            registry=self.registry,
+        )
         self.hit_rate = WindowedHitRate(self.windows)
         self.ceiling = HitRateCeiling(self.windows)
         self.dropped_lookups = 0
@@ -74,11 +88,21 @@ class ServerMetrics(EngineObserver):
         self._stop = threading.Event()
         self._feeder = threading.Thread(target=self._feed_loop, name="pegaflow-metrics-feeder", daemon=True)
         self.registry.register(_EngineCollector(self))
+        # Miss-ratio curve and savings: fed by the same feeder, exported by their own collector.
+        self.insights = LookupInsights(self.windows, self.registry)
 
     def bind(self, engine: KVEngine) -> None:
         self._engine = engine
+        self.insights.bind(engine.stats().pool_capacity_bytes, engine.namespace_at)
         if not self._feeder.is_alive():
             self._feeder.start()
+
+    def add_collector(self, stats) -> None:
+        """Families of another part of the server, read at scrape time from ``stats()`` (a dict of its
+        plain-number stats): the L2 parts (metrics/peers.py)."""
+        from pegaflow.server.metrics.peers import peer_families
+
+        self.registry.register(_StatsCollector(stats, peer_families))
 
     def close(self) -> None:
         self._stop.set()
@@ -99,6 +123,9 @@ class ServerMetrics(EngineObserver):
 
     def on_load(self, nbytes: int, seconds: float) -> None:
         self.load_duration.observe(seconds)
+
+    def on_transfer(self, kind: str, nbytes: int, seconds: float, ok: int, failed: int) -> None:
+        (self.transfer_duration if kind == "promote" else self.demotion_duration).observe(seconds)
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
         self.rpc_duration.labels(method).observe(seconds)
@@ -134,12 +161,14 @@ class ServerMetrics(EngineObserver):
 
     def _feed_some(self) -> None:
         keys: list[bytes] = []
+        batch: list[tuple[int, Sequence[bytes], int]] = []
         hits = requests = 0
         while self._pending and len(keys) < MAX_KEYS_PER_ADD:
             try:
-                ns_index, hashes, nhits = self._pending.popleft()
+                ns_index, hashes, nhits = lookup = self._pending.popleft()
             except IndexError:
                 break
+            batch.append(lookup)
             prefix = ns_index.to_bytes(4, "little")
             keys.extend(prefix + h for h in hashes)
             hits += nhits
@@ -149,10 +178,25 @@ class ServerMetrics(EngineObserver):
         with self._state_lock:
             self.hit_rate.add(hits, requests)
             self.ceiling.add(keys)
+        self.insights.add_lookups(batch)
+
+
+class _StatsCollector:
+    def __init__(self, stats, families):
+        self._stats, self._families = stats, families
+
+    def collect(self):
+        try:
+            snapshot = self._stats()
+        except Exception as exc:
+            log.warning("metrics: stats unavailable: %s", exc)
+            return
+        yield from self._families(snapshot)
 
 
 class _EngineCollector:
-    """Reads engine state at scrape time."""
+    """Reads engine state at scrape time: every metric of EngineStats (server/store/stats.py, the one
+    definition), one family per metric name, then the per-tier and per-namespace families."""
 
     def __init__(self, metrics: ServerMetrics):
         self._metrics = metrics
@@ -166,111 +210,38 @@ class _EngineCollector:
         except Exception as exc:
             log.warning("metrics: engine stats unavailable: %s", exc)
             return
-        counters = engine.counters
-
-        def gauge(name: str, doc: str, value: float):
-            g = GaugeMetricFamily(name, doc)
-            g.add_metric([], value)
-            return g
-
-        def counter(name: str, doc: str, value: float):
-            c = CounterMetricFamily(name, doc)
-            c.add_metric([], value)
-            return c
-
-        yield gauge("pegaflow_pool_capacity_bytes", "Bytes of the shared KV pool", stats.pool_capacity_bytes)
-        yield gauge(
-            "pegaflow_pool_used_bytes",
-            "Bytes of the pool holding blocks (sealed or being written)",
-            stats.pool_used_bytes,
-        )
-        yield gauge(
-            "pegaflow_pool_stranded_bytes",
-            "Bytes of slabs assigned to a block size but holding no block (free slots, slot tails)",
-            stats.stranded_bytes,
-        )
-        yield gauge("pegaflow_pool_free_slabs", "Slabs not assigned to any block size", stats.free_slabs)
-        yield gauge("pegaflow_pool_slabs", "Slabs in the pool", stats.total_slabs)
-        yield counter(
-            "pegaflow_pool_slab_moves", "Slabs moved from one block size to another", stats.slab_moves
-        )
-        yield gauge("pegaflow_resident_blocks", "Sealed blocks in the pool", stats.resident_blocks)
-        yield gauge("pegaflow_pinned_blocks", "Blocks pinned by at least one lease", stats.pinned_blocks)
-        yield gauge("pegaflow_writing_blocks", "Blocks granted and not yet sealed", stats.writing_blocks)
-
-        hits = CounterMetricFamily(
-            "pegaflow_block_hits",
-            "Requested blocks found (leading prefix hits of LOOKUP queries)",
-            labels=["tier"],
-        )
-        hits.add_metric(["dram"], stats.hits)
-        yield hits
-        misses = CounterMetricFamily(
-            "pegaflow_block_misses",
-            "Requested blocks not found (after the prefix, LOOKUP queries)",
-            labels=["tier"],
-        )
-        misses.add_metric(["dram"], stats.misses)
-        yield misses
-        yield counter("pegaflow_queries", "Prefix queries that request blocks (LOOKUP)", counters.queries)
-        yield counter(
-            "pegaflow_load_queries",
-            "Prefix queries that load blocks an earlier lookup counted (LOAD)",
-            counters.load_queries,
-        )
-        yield counter(
-            "pegaflow_load_missed_blocks",
-            "Blocks LOAD queries asked for and did not find (gone since their lookup)",
-            counters.load_missed_blocks,
-        )
-        yield counter("pegaflow_evictions", "Blocks evicted to make room", stats.evictions)
-        yield counter(
-            "pegaflow_admission_rejections",
-            "Blocks the admission policy refused to keep",
-            stats.admission_rejections,
-        )
-        yield counter("pegaflow_save_bytes", "Bytes sealed (saved) into the pool", counters.save_bytes)
-        yield counter("pegaflow_saved_blocks", "Blocks sealed", counters.sealed_blocks)
-        yield counter(
-            "pegaflow_load_bytes", "Bytes clients reported loading under leases", counters.load_bytes
-        )
-        yield counter(
-            "pegaflow_aborted_blocks",
-            "Granted blocks freed unsealed (abort, timeout, client death)",
-            counters.aborted_blocks,
-        )
-        yield counter(
-            "pegaflow_no_space_blocks",
-            "Block allocations refused: nothing evictable",
-            counters.no_space_blocks,
-        )
-        yield counter(
-            "pegaflow_expired_leases", "Leases that reached their TTL unreleased", counters.expired_leases
-        )
-        yield counter(
-            "pegaflow_timed_out_saves", "Saves freed by the write timeout", counters.timed_out_saves
-        )
-        ended = CounterMetricFamily("pegaflow_sessions_ended", "Sessions ended, by cause", labels=["cause"])
-        ended.add_metric(["closed"], counters.closed_sessions)
-        ended.add_metric(["disconnected"], counters.disconnected_sessions)
-        ended.add_metric(["heartbeat_timeout"], counters.expired_sessions)
-        yield ended
-        yield gauge("pegaflow_live_sessions", "Open client sessions", stats.live_sessions)
-        yield gauge("pegaflow_live_instances", "Registered instances", stats.live_instances)
-        yield gauge("pegaflow_live_leases", "Unreleased leases", stats.live_leases)
-        yield gauge("pegaflow_open_saves", "Saves with unsealed blocks", stats.open_saves)
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+        for f in metric_fields():
+            family = families.get(f.name)
+            if family is None:
+                cls = CounterMetricFamily if f.kind == "counter" else GaugeMetricFamily
+                family = families[f.name] = cls(f.name, f.doc, labels=[k for k, _ in f.labels])
+            family.add_metric([v for _, v in f.labels], getattr(stats, f.field))
+        yield from families.values()
+        yield from self._tier_families(stats.tiers)
         ns_blocks = GaugeMetricFamily(
             "pegaflow_namespace_resident_blocks", "Sealed blocks per namespace", labels=["namespace", "model"]
         )
         for ns in stats.namespaces:
             ns_blocks.add_metric([ns.namespace_id, ns.model_id], ns.resident_blocks)
         yield ns_blocks
-        yield gauge(
-            "pegaflow_pool_prefault_seconds",
-            "Time taken to allocate and pre-fault the pool at start",
-            engine.region.prefault_s,
+        g = GaugeMetricFamily(
+            "pegaflow_pool_prefault_seconds", "Time taken to allocate and pre-fault the pool at start"
         )
+        g.add_metric([], engine.region.prefault_s)
+        yield g
+        yield from self._window_families()
 
+    @staticmethod
+    def _tier_families(tiers):
+        for field, (kind, name, doc) in TIER_METRICS.items():
+            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            family = cls(name, doc, labels=["tier"])
+            for tier in tiers:
+                family.add_metric([tier.name], float(getattr(tier, field)))
+            yield family
+
+    def _window_families(self):
         measured, ceiling = self._metrics.window_rates()
         rate = GaugeMetricFamily(
             "pegaflow_measured_hit_rate", "Block hit rate over the window", labels=["window"]
@@ -289,15 +260,13 @@ class _EngineCollector:
                 est.add_metric([name], value)
         yield est
         mem = GaugeMetricFamily(
-            "pegaflow_hll_memory_bytes",
-            "Memory of the HyperLogLog registers per window",
-            labels=["window"],
+            "pegaflow_hll_memory_bytes", "Memory of the HyperLogLog registers per window", labels=["window"]
         )
         for name in self._metrics.windows:
             mem.add_metric([name], self._metrics.ceiling.memory_bytes(name))
         yield mem
-        yield counter(
-            "pegaflow_metrics_dropped_lookups",
-            "Lookups not fed to the hit-rate windows (feeder behind)",
-            self._metrics.dropped_lookups,
+        c = CounterMetricFamily(
+            "pegaflow_metrics_dropped_lookups", "Lookups not fed to the hit-rate windows (feeder behind)"
         )
+        c.add_metric([], self._metrics.dropped_lookups)
+        yield c

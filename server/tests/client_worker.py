@@ -6,6 +6,9 @@ actions:
   load             query with a lease, read, compare with the pattern, release; prints {"hits", "match"}
   half-save-hang   allocate, write half the granted blocks, print {"granted": n}, then sleep until killed
   lease-hang       query with a lease, print {"hits": n, "lease_id": ...}, then sleep until killed
+  load-wait        a LOOKUP, then LOAD queries until nothing is pending or searched for (blocks arriving
+                   from SSD or another node), then a load as above; also prints {"first": {"hits",
+                   "pending", "searching", "sources"}, "polls", "wait_s"}
 Each block's bytes are a pure function of (tag, hash), so any process can check what another wrote.
 """
 
@@ -51,7 +54,24 @@ def main(spec: dict) -> None:
             write_blocks(view, locs, [rows[i] for i in half])
             print(json.dumps(out), flush=True)
             time.sleep(3600)
-    elif action in ("load", "lease-hang"):
+    elif action in ("load", "lease-hang", "load-wait"):
+        if action == "load-wait":
+            from pegaflow.client import QueryPurpose
+
+            t0 = time.monotonic()
+            first = client.query_prefix(inst, hashes)
+            out["first"] = {
+                "hits": first.num_hits,
+                "pending": first.pending,
+                "searching": first.searching,
+                "sources": [s.name for s in first.sources],
+            }
+            polls, hit = 0, first
+            while (hit.pending or hit.searching) and time.monotonic() - t0 < spec.get("wait_s", 20.0):
+                time.sleep(0.02)
+                hit = client.query_prefix(inst, hashes, purpose=QueryPurpose.LOAD)
+                polls += 1
+            out["polls"], out["wait_s"] = polls, time.monotonic() - t0
         hit = client.query_prefix(inst, hashes, lease=True)
         out["hits"] = hit.num_hits
         out["lease_id"] = hit.lease_id

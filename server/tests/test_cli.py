@@ -9,8 +9,8 @@ import pytest
 
 from pegaflow.server.config import GIB, MIB, TIB, parse_duration, parse_size, parse_windows
 from pegaflow.server.errors import PoolCapacityError
-from pegaflow.server.main import build_parser
-from pegaflow.server.pool.region import check_capacity, read_meminfo
+from pegaflow.server.main import build_parser, config_from_args
+from pegaflow.server.tiers.dram.region import check_capacity, read_meminfo
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -64,7 +64,7 @@ def test_python_dash_m_runs_the_cli():
     assert proc.stdout.startswith("usage: pegaflow-server") and "--pool-size" in proc.stdout
 
 
-def test_help_documents_every_flag_and_no_tier_flags_exist():
+def test_help_documents_every_flag_including_the_tiers():
     help_text = build_parser().format_help()
     for flag in (
         "--addr",
@@ -74,12 +74,51 @@ def test_help_documents_every_flag_and_no_tier_flags_exist():
         "--enable-lfu-admission",
         "--metric-hll-windows",
         "--log-level",
+        "--persist-pool",
+        "--ssd-cache-path",
+        "--ssd-cache-capacity",
+        "--ssd-write-policy",
+        "--ssd-io-engine",
+        "--promote-inflight",
     ):
         assert flag in help_text
-    for dead in ("--ssd-cache-path", "--ssd-cache-capacity", "--nics", "--metaserver-addr"):
-        assert dead not in help_text
-        with pytest.raises(SystemExit):
-            build_parser().parse_args(["--pool-size", "64mb", dead, "x"])
+
+
+def test_the_seeds_ssd_command_parses_and_several_paths_stripe(tmp_path):
+    args = build_parser().parse_args(
+        [
+            "--pool-size",
+            "30gb",
+            "--ssd-cache-path",
+            "/a",
+            "--ssd-cache-path",
+            "/b",
+            "--ssd-cache-capacity",
+            "512gb",
+        ]
+    )
+    config = config_from_args(args)
+    assert config.ssd_cache_paths == ("/a", "/b") and config.ssd_cache_capacity_bytes == 512 << 30
+
+
+def test_an_ssd_path_without_a_capacity_or_an_unopenable_one_is_refused(tmp_path):
+    proc = run_cli("--pool-size", "64mb", "--ssd-cache-path", str(tmp_path))
+    assert proc.returncode == 2 and "--ssd-cache-capacity is required" in proc.stderr
+    proc = run_cli(
+        "--pool-size", "64mb", "--addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0",
+        "--ssd-cache-path", str(tmp_path / "no" / "such" / "dir" / "file"), "--ssd-cache-capacity", "1gb",
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_an_ssd_capacity_the_file_system_cannot_hold_is_refused(tmp_path):
+    proc = run_cli(
+        "--pool-size", "64mb", "--addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0",
+        "--ssd-cache-path", str(tmp_path), "--ssd-cache-capacity", "1000tb",
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
 def test_cli_rejects_malformed_sizes_and_a_pool_below_one_slab():
@@ -142,8 +181,8 @@ def test_pool_dir_must_be_a_memory_filesystem_and_works_on_tmpfs(tmp_path):
     import os
 
     from pegaflow.client import KvLayout, PegaClient
-    from pegaflow.server.pool.region import _mount_fstype
     from pegaflow.server.testing import ServerProcess
+    from pegaflow.server.tiers.dram.region import _mount_fstype
 
     if _mount_fstype(str(tmp_path)) not in ("tmpfs", "hugetlbfs"):
         proc = run_cli("--pool-size", "16mb", "--pool-dir", str(tmp_path), "--addr", "127.0.0.1:0")

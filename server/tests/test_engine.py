@@ -10,8 +10,8 @@ import pytest
 
 from pegaflow.server.config import MIB, ServerConfig
 from pegaflow.server.engine import AllocStatus, KVEngine, QueryPurpose
-from pegaflow.server.errors import DeadlineExceeded, InvalidArgument, NotFound
-from pegaflow.server.index.namespace import KvLayout
+from pegaflow.server.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted
+from pegaflow.server.store.namespace import KvLayout
 
 BLOCK = 256 * 1024
 
@@ -34,14 +34,18 @@ def hashes(n: int, tag: str = "h") -> list[bytes]:
 
 
 def save(eng: KVEngine, sid: str, iid: str, hs: list[bytes], fill: int | None = None) -> list[int]:
-    res = eng.allocate_blocks(sid, iid, hs)
-    view = eng.pool_view()
-    for i, loc in enumerate(res.locations):
-        if loc is not None:
-            view[loc.offset : loc.offset + loc.length] = (fill if fill is not None else i) % 251
-    if res.save_id:
-        eng.seal_blocks(sid, res.save_id)
-    return [s for s in res.statuses]
+    """Saves in batches of 64 (a session may hold at most half the pool unsealed: see the quota test)."""
+    statuses = []
+    for lo in range(0, len(hs), 64):
+        res = eng.allocate_blocks(sid, iid, hs[lo : lo + 64])
+        view = eng.pool_view()
+        for i, loc in enumerate(res.locations, start=lo):
+            if loc is not None:
+                view[loc.offset : loc.offset + loc.length] = (fill if fill is not None else i) % 251
+        if res.save_id:
+            eng.seal_blocks(sid, res.save_id)
+        statuses += res.statuses
+    return statuses
 
 
 def test_unsealed_blocks_are_invisible_and_sealed_ones_are_hits(engine):
@@ -126,9 +130,13 @@ def test_eviction_under_pressure_never_touches_leased_blocks(engine):
 def test_pool_full_of_pinned_blocks_answers_no_space(engine):
     sid = engine.open_session("t").session_id
     iid = engine.register_instance(sid, layout()).instance_id
+    other = engine.open_session("other").session_id  # one session may pin only half of the pool
+    other_iid = engine.register_instance(other, layout()).instance_id
     capacity_blocks = engine.allocator.total_slabs * (engine.allocator.slab_bytes // BLOCK)
+    half = capacity_blocks // 2
     save(engine, sid, iid, hashes(capacity_blocks))
-    engine.query_prefix(sid, iid, hashes(capacity_blocks), lease=True)
+    engine.query_prefix(sid, iid, hashes(capacity_blocks)[:half], lease=True)
+    engine.query_prefix(other, other_iid, hashes(capacity_blocks)[half:], lease=True)
     res = engine.allocate_blocks(sid, iid, hashes(3, "more"))
     assert res.statuses == [AllocStatus.NO_SPACE] * 3 and res.save_id == ""
 
@@ -174,19 +182,55 @@ def test_slab_moves_when_the_coldest_blocks_are_spread_over_slabs(engine):
 def test_session_end_reclaims_leases_and_unsealed_blocks_but_keeps_sealed(engine):
     a = engine.open_session("a").session_id
     b = engine.open_session("b").session_id
-    iid = engine.register_instance(b, layout()).instance_id
-    save(engine, a, iid, hashes(4, "sealed"))
-    engine.query_prefix(a, iid, hashes(4, "sealed"), lease=True)
-    engine.allocate_blocks(a, iid, hashes(6, "half"))
+    iid_a = engine.register_instance(a, layout()).instance_id
+    iid_b = engine.register_instance(b, layout()).instance_id  # the same namespace
+    save(engine, a, iid_a, hashes(4, "sealed"))
+    engine.query_prefix(a, iid_a, hashes(4, "sealed"), lease=True)
+    engine.allocate_blocks(a, iid_a, hashes(6, "half"))
     assert engine.stats().pinned_blocks == 4 and engine.stats().writing_blocks == 6
     engine.close_session(a)
     stats = engine.stats()
     assert stats.pinned_blocks == 0 and stats.writing_blocks == 0 and stats.live_leases == 0
     assert stats.pool_used_bytes == 4 * BLOCK
-    assert engine.query_prefix(b, iid, hashes(4, "sealed")).num_hits == 4
+    assert engine.query_prefix(b, iid_b, hashes(4, "sealed")).num_hits == 4
     with pytest.raises(NotFound) as info:
-        engine.query_prefix(a, iid, hashes(1))
+        engine.query_prefix(a, iid_a, hashes(1))
     assert info.value.kind == "session"
+
+
+def test_ids_work_only_from_the_session_that_created_them(engine):
+    """Review finding F9: another session's instance, lease or save is NOT_FOUND, as if unknown."""
+    owner = engine.open_session("owner").session_id
+    other = engine.open_session("other").session_id
+    iid = engine.register_instance(owner, layout()).instance_id
+    save(engine, owner, iid, hashes(2, "x"))
+    lease = engine.query_prefix(owner, iid, hashes(2, "x"), lease=True).lease_id
+    pending = engine.allocate_blocks(owner, iid, hashes(2, "y")).save_id
+    for call, kind in (
+        (lambda: engine.query_prefix(other, iid, hashes(1, "x")), "instance"),
+        (lambda: engine.allocate_blocks(other, iid, hashes(1, "z")), "instance"),
+        (lambda: engine.unregister_instance(other, iid), "instance"),
+        (lambda: engine.release_lease(other, lease), "lease"),
+        (lambda: engine.seal_blocks(other, pending), "save"),
+        (lambda: engine.abort_blocks(other, pending), "save"),
+    ):
+        with pytest.raises(NotFound) as info:
+            call()
+        assert info.value.kind == kind
+    # nothing happened to the owner's state: its lease, save and instance still work
+    assert engine.stats().live_leases == 1 and engine.stats().writing_blocks == 2
+    engine.release_lease(owner, lease)
+    assert engine.seal_blocks(owner, pending) == 2
+    assert engine.query_prefix(owner, iid, hashes(2, "y")).num_hits == 2
+
+
+def test_a_trusted_in_process_session_acts_on_other_sessions_instances(engine):
+    """The server's own GPU data path saves and loads for a worker's instance."""
+    worker = engine.open_session("worker").session_id
+    datapath = engine.open_session("datapath", expires=False, trusted=True).session_id
+    iid = engine.register_instance(worker, layout()).instance_id
+    save(engine, datapath, iid, hashes(3, "g"))
+    assert engine.query_prefix(worker, iid, hashes(3, "g")).num_hits == 3
 
 
 def test_silent_session_expires_and_lease_and_write_timeouts_apply():
@@ -203,10 +247,11 @@ def test_silent_session_expires_and_lease_and_write_timeouts_apply():
         keep = eng.open_session("keep", expires=False).session_id
         quiet = eng.open_session("quiet").session_id
         iid = eng.register_instance(keep, layout()).instance_id
+        quiet_iid = eng.register_instance(quiet, layout()).instance_id
         save(eng, keep, iid, hashes(2))
         lease = eng.query_prefix(keep, iid, hashes(2), lease=True, lease_ttl_s=1.0).lease_id
         pending = eng.allocate_blocks(keep, iid, hashes(3, "w")).save_id
-        eng.query_prefix(quiet, iid, hashes(2), lease=True)
+        eng.query_prefix(quiet, quiet_iid, hashes(2), lease=True)
         now = time.monotonic()
         eng.reap(now + 2.0)  # lease ttl passed
         with pytest.raises(NotFound):
@@ -308,7 +353,7 @@ def test_a_save_or_lease_given_up_before_it_was_served_is_refused(engine):
 
 
 def test_tombstones_expire_and_are_bounded():
-    from pegaflow.server.lease.tombstones import Tombstones
+    from pegaflow.server.clients.tombstones import Tombstones
 
     t = Tombstones(ttl_s=10.0, capacity=3)
     for i, ident in enumerate("abcd"):
@@ -353,7 +398,7 @@ def test_a_lookup_then_loads_by_every_rank_count_each_block_once():
     try:
         sid = eng.open_session("t").session_id
         iid = eng.register_instance(sid, layout()).instance_id
-        ns = eng._instances[iid].namespace.index
+        ns = eng._registry.instances[iid].namespace.index
         stored = hashes(6)
         save(eng, sid, iid, stored)
         # The scheduler asks once for the whole prompt; then two worker ranks lease what it found.
@@ -364,7 +409,8 @@ def test_a_lookup_then_loads_by_every_rank_count_each_block_once():
             eng.release_lease(sid, hit.lease_id)
         stats = eng.stats()
         assert (stats.hits, stats.misses) == (6, 1)
-        assert (eng.counters.queries, eng.counters.load_queries, eng.counters.load_missed_blocks) == (1, 2, 0)
+        c = eng.counters
+        assert (c.lookup_queries, c.load_queries, c.load_missed_blocks) == (1, 2, 0)
         assert [eng.policy.frequency((ns, h)) for h in stored] == [1] * 6  # the lookup alone
         # A block gone between the lookup and the load is a load miss, not a request miss.
         assert eng.query_prefix(sid, iid, stored + [b"absent"], purpose=QueryPurpose.LOAD).num_hits == 6
@@ -382,10 +428,10 @@ def test_a_chain_queried_in_parts_is_accounted_as_one_query(engine):
     chain = hashes(8)
     for lo, hi in ((0, 2), (2, 8)):  # as the GPU data path queries in chunks
         engine.query_prefix(sid, iid, chain[lo:hi], account=False)
-    assert engine.stats().hits == 0 and engine.counters.queries == 0
+    assert engine.stats().hits == 0 and engine.counters.lookup_queries == 0
     engine.account_query(sid, iid, chain, 5, QueryPurpose.LOOKUP)
     stats = engine.stats()
-    assert (stats.hits, stats.misses, engine.counters.queries) == (5, 3, 1)
+    assert (stats.hits, stats.misses, engine.counters.lookup_queries) == (5, 3, 1)
     with pytest.raises(InvalidArgument):
         engine.account_query(sid, iid, chain, 9, QueryPurpose.LOOKUP)
 
@@ -457,3 +503,79 @@ def test_a_save_never_evicts_its_own_stored_head_to_make_room_for_its_tail(engin
     statuses = save(engine, sid, iid, head + continuation)
     assert statuses == [AllocStatus.EXISTS] * 8 + [AllocStatus.GRANTED] * 8
     assert engine.query_prefix(sid, iid, head + continuation).num_hits == 16  # fillers made the room
+
+
+def test_idle_namespaces_are_released_and_their_series_go_with_them():
+    """Review finding F7: register/unregister cycles with fresh layouts must not grow state forever."""
+    eng = KVEngine(
+        ServerConfig(pool_size_bytes=16 * MIB, http_addr=None, reaper_interval_s=3600, namespace_idle_s=5.0)
+    )
+    try:
+        sid = eng.open_session("cycler", expires=False).session_id
+        for i in range(200):
+            iid = eng.register_instance(sid, layout(model_id=f"m{i}")).instance_id
+            eng.unregister_instance(sid, iid)
+        kept = eng.register_instance(sid, layout(model_id="kept")).instance_id
+        stored = eng.register_instance(sid, layout(model_id="stored")).instance_id
+        save(eng, sid, stored, hashes(2, "s"))
+        eng.unregister_instance(sid, stored)  # no instance, but it holds blocks: kept
+        assert len(eng.stats().namespaces) == 202
+        now = time.monotonic()
+        eng.reap(now)
+        eng.reap(now + 6.0)
+        assert {ns.model_id for ns in eng.stats().namespaces} == {"kept", "stored"}
+        # a released layout registers again as a new namespace, under the same id
+        again = eng.register_instance(sid, layout(model_id="m7"))
+        assert again.namespace_id.startswith("ns-") and eng.query_prefix(sid, kept, hashes(1)).num_hits == 0
+    finally:
+        eng.close()
+
+
+def test_the_number_of_namespaces_is_bounded():
+    eng = KVEngine(ServerConfig(pool_size_bytes=16 * MIB, http_addr=None, max_namespaces=8))
+    try:
+        sid = eng.open_session("t", expires=False).session_id
+        for i in range(8):
+            eng.register_instance(sid, layout(model_id=f"m{i}"))
+        with pytest.raises(ResourceExhausted):
+            eng.register_instance(sid, layout(model_id="one-too-many"))
+        eng.register_instance(sid, layout(model_id="m3"))  # an existing namespace is fine
+    finally:
+        eng.close()
+
+
+def test_a_reported_load_is_never_more_than_the_lease_holds(engine):
+    """Review finding F6: an absurd loaded_bytes cannot overflow a counter or break GetStats."""
+    sid = engine.open_session("t").session_id
+    iid = engine.register_instance(sid, layout()).instance_id
+    save(engine, sid, iid, hashes(2, "l"))
+    for _ in range(2):
+        lease = engine.query_prefix(sid, iid, hashes(2, "l"), lease=True).lease_id
+        engine.release_lease(sid, lease, loaded_bytes=2**64 - 1)
+    assert engine.stats().load_bytes == 2 * 2 * BLOCK
+
+
+def test_one_session_cannot_pin_or_reserve_the_whole_pool(engine):
+    """Review finding F8: a hog's leases are cut at its quota and its unsealed reservations beyond it
+    are REJECTED; another session still gets room."""
+    hog = engine.open_session("hog").session_id
+    honest = engine.open_session("honest").session_id
+    hog_iid = engine.register_instance(hog, layout()).instance_id
+    honest_iid = engine.register_instance(honest, layout()).instance_id
+    capacity_blocks = engine.allocator.total_slabs * (engine.allocator.slab_bytes // BLOCK)
+    half = capacity_blocks // 2
+    grabbed = engine.allocate_blocks(hog, hog_iid, hashes(capacity_blocks, "grab"))
+    assert grabbed.statuses.count(AllocStatus.GRANTED) == half
+    assert grabbed.statuses.count(AllocStatus.REJECTED) == capacity_blocks - half
+    assert save(engine, honest, honest_iid, hashes(half // 2, "mine")).count(AllocStatus.GRANTED) == half // 2
+    engine.abort_blocks(hog, grabbed.save_id)
+    save(engine, hog, hog_iid, hashes(capacity_blocks - half // 2, "stored"))
+    lease = engine.query_prefix(hog, hog_iid, hashes(capacity_blocks, "stored"), lease=True)
+    assert lease.num_hits == half  # cut at the quota
+    with pytest.raises(ResourceExhausted):
+        engine.query_prefix(hog, hog_iid, hashes(4, "mine"), lease=True)
+    assert engine.stats().quota_refusals >= 3
+    # the pool's other half is still evictable: the honest session saves and finds its blocks
+    assert save(engine, honest, honest_iid, hashes(half // 2, "more")).count(AllocStatus.GRANTED) == half // 2
+    engine.release_lease(hog, lease.lease_id)
+    assert engine.query_prefix(hog, hog_iid, hashes(4, "stored"), lease=True).num_hits == 4

@@ -12,7 +12,7 @@ import pytest
 
 from pegaflow.server.config import KIB, MIB, ServerConfig
 from pegaflow.server.engine import AllocStatus, KVEngine
-from pegaflow.server.index.namespace import KvLayout
+from pegaflow.server.store.namespace import KvLayout
 
 BLOCK = 64 * KIB
 POOL = 32 * MIB  # 512 blocks of 64 KiB

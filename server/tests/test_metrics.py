@@ -72,8 +72,12 @@ def test_hll_ceiling_and_measured_hit_rate_per_window(servers):
     assert set(ceiling) == {f'pegaflow_hll_estimated_hit_rate{{window="{w}"}}' for w in ("15m", "1h", "24h")}
     assert all(v == pytest.approx(0.75, abs=0.02) for v in ceiling.values())
     assert all(v == pytest.approx(0.1) for v in measured.values())
-    assert series(text, "pegaflow_block_hits_total") == {'pegaflow_block_hits_total{tier="dram"}': 400.0}
-    assert series(text, "pegaflow_block_misses_total") == {'pegaflow_block_misses_total{tier="dram"}': 3600.0}
+    assert series(text, "pegaflow_block_hits_total") == {
+        'pegaflow_block_hits_total{tier="dram"}': 400.0,
+        'pegaflow_block_hits_total{tier="ssd"}': 0.0,  # no SSD tier here
+        'pegaflow_block_hits_total{tier="remote"}': 0.0,
+    }
+    assert series(text, "pegaflow_block_misses_total") == {"pegaflow_block_misses_total": 3600.0}
 
 
 def test_health_and_unknown_paths_and_separate_registries(servers):

@@ -14,7 +14,7 @@ from multiprocessing.connection import Client
 
 import torch
 
-from pegaflow.server.gpu.registration import export_torch_kv
+from pegaflow.client.device import export_torch_kv
 
 LAYERS = 4
 BLOCKS = 64

@@ -13,12 +13,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pegaflow.server.gpu.copy_plan import (
+    FIRST_CHUNK_BYTES,
+    LARGEST_CHUNK_BYTES,
+    LAST_CHUNK_BYTES,
     BlockLayout,
     LayoutError,
     Segment,
     check_request,
     expand_items,
     item_table,
+    pipeline_chunks,
     plan_staged,
     segments_from_strides,
 )
@@ -329,3 +333,36 @@ def test_staged_runs_cover_each_block_once_and_never_cross_a_slot(slots, per_gro
 def test_staged_plan_refuses_blocks_larger_than_a_slot():
     with pytest.raises(ValueError, match="does not fit"):
         plan_staged(np.array([0], dtype=np.uint64), 1024, 512)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(0, 5000),
+    block_bytes=st.sampled_from([16 << 10, 1124352, 2359296, 64 << 20]),
+    growth=st.integers(1, 4),
+)
+def test_pipeline_chunks_cover_the_request_ramp_up_and_end_small(n, block_bytes, growth):
+    bounds = pipeline_chunks(n, block_bytes, growth=growth)
+    sizes = [hi - lo for lo, hi in bounds]
+    assert sum(sizes) == n and all(s >= 1 for s in sizes)
+    assert [lo for lo, _ in bounds] == [0, *(hi for _, hi in bounds[:-1])][: len(bounds)]  # in order
+    first = max(1, FIRST_CHUNK_BYTES // block_bytes)
+    last = max(1, LAST_CHUNK_BYTES // block_bytes)
+    largest = max(1, LARGEST_CHUNK_BYTES // block_bytes)
+    if sizes:
+        assert sizes[0] <= max(first + first // 2, 1)
+        assert max(sizes) <= max(largest + largest // 2, first + first // 2)
+    if len(sizes) > 1:
+        assert sizes[-1] <= max(last, first + first // 2)
+        # Ramp-up: each chunk of the first half at most `growth` (x1.5 for the merged rest) the one before.
+        for a, b in zip(sizes, sizes[1 : len(sizes) // 2], strict=False):
+            assert b <= max(growth * a + (growth * a) // 2, 1)
+
+
+def test_pipeline_chunks_of_the_benchmark_request():
+    """256 blocks of 2.25 MiB (Qwen3-8B): a 3-block start, doubling, then halving down to 7."""
+    sizes = [hi - lo for lo, hi in pipeline_chunks(256, 2359296)]
+    assert sizes[:5] == [3, 6, 12, 24, 48] and sizes[-4:] == [56, 28, 14, 7] and sum(sizes) == 256
+    assert pipeline_chunks(0, 4096) == []
+    with pytest.raises(ValueError):
+        pipeline_chunks(4, 0)

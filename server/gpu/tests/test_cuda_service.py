@@ -25,7 +25,7 @@ from pegaflow.server.errors import DeadlineExceeded, FailedPrecondition, Invalid
 from pegaflow.server.gpu.registration import DeviceRegistration  # noqa: E402
 from pegaflow.server.gpu.service import GpuDataPath, GpuOptions  # noqa: E402
 from pegaflow.server.gpu.tests.gpu_worker_support import Worker  # noqa: E402
-from pegaflow.server.index.namespace import KvLayout  # noqa: E402
+from pegaflow.server.store.namespace import KvLayout  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def _deadline(s: float = 30.0) -> float:
 
 
 def _instance(engine, session, reg: DeviceRegistration, mla=False, rank=0, tp=1):
-    bb = reg.validate().block_bytes
+    bb = reg.validate()
     layout = KvLayout(
         model_id="m", block_bytes=bb, dtype="bf16", layout="gpu", tp_size=tp, tp_rank=rank, mla=mla
     )
@@ -78,7 +78,7 @@ def test_save_seals_exact_bytes_dedups_and_loads_back(worker, stack, name):
     reg = worker.regs[name]
     inst = _instance(engine, session, reg)
     rid = gpu.register(session, inst, reg)
-    bb = reg.validate().block_bytes
+    bb = reg.validate()
     hashes = _hashes(name, 10)
     ids = [5, 9, 1, 33, 2, 60, 7, 8, 11, 40]
 
@@ -106,7 +106,7 @@ def test_save_seals_exact_bytes_dedups_and_loads_back(worker, stack, name):
 def test_mla_ranks_share_one_stored_copy(worker, stack):
     engine, gpu = stack
     reg = worker.regs["mla"]
-    bb = reg.validate().block_bytes
+    bb = reg.validate()
     sessions = [engine.open_session(f"rank{r}").session_id for r in range(2)]
     insts = [_instance(engine, s, reg, mla=True, rank=r, tp=2) for r, s in enumerate(sessions)]
     # Both "ranks" register the same tensors: the IPC mappings are shared by handle.
@@ -157,7 +157,7 @@ def test_bad_requests_are_refused_and_leave_nothing_behind(worker, stack):
     other = engine.open_session("other").session_id
     with pytest.raises(NotFound):  # a registration is only usable by its own session
         gpu.save(other, rid, [b"a"], [1], _deadline())
-    small = KvLayout(model_id="m2", block_bytes=reg.validate().block_bytes // 2)
+    small = KvLayout(model_id="m2", block_bytes=reg.validate() // 2)
     inst_small = engine.register_instance(session, small).instance_id
     rid_small = gpu.register(session, inst_small, reg)
     with pytest.raises(InvalidArgument, match="byte blocks"):
@@ -239,7 +239,7 @@ def test_a_chunked_save_leaves_its_chain_head_most_recent(worker, stack):
     rid = gpu.register(session, inst, reg)
     hashes = _hashes("chain", 20)
     assert gpu.save(session, rid, hashes, list(range(20)), _deadline()).written == 20
-    ns = engine._instances[inst].namespace.index
+    ns = engine._registry.instances[inst].namespace.index
     keys = [(ns, h) for h in hashes]
     wanted = set(keys)
 

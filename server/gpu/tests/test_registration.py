@@ -6,13 +6,16 @@ These also prove that every GPU module imports on a machine without CUDA.
 from __future__ import annotations
 
 import importlib
+import json
+import subprocess
+import sys
 
 import pytest
 
 from pegaflow.server.gpu import cuda_runtime
 from pegaflow.server.gpu.copy_plan import LayoutError, Segment
 from pegaflow.server.gpu.ipc import IpcError, cuda_ipc_handle_from_torch
-from pegaflow.server.gpu.registration import DeviceRegistration, ExportedTensor
+from pegaflow.server.gpu.registration import DeviceRegistration, ExportedTensor, layout_of
 
 RAW = bytes(range(64))
 
@@ -26,13 +29,25 @@ RAW = bytes(range(64))
         "ipc",
         "registration",
         "device_copier",
-        "doorbell",
         "service",
         "rpc",
     ],
 )
 def test_every_gpu_module_imports_without_touching_cuda(module):
     importlib.import_module(f"pegaflow.server.gpu.{module}")
+
+
+def test_importing_the_gpu_path_loads_neither_cupy_nor_torch():
+    modules = "copy_plan cuda_runtime kernels ipc registration device_copier service rpc".split()
+    code = (
+        "import json, sys\n"
+        + "".join(f"import pegaflow.server.gpu.{m}\n" for m in modules)
+        + "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('cupy', 'torch'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert json.loads(out.stdout) == []
 
 
 def test_available_answers_without_raising():
@@ -92,7 +107,8 @@ def _reg(**over):
 
 
 def test_valid_registration_gives_its_layout():
-    layout = _reg().validate()
+    assert _reg().validate() == 64
+    layout = layout_of(_reg())
     assert layout.block_bytes == 64 and layout.num_blocks == 100
 
 
@@ -108,4 +124,4 @@ def test_valid_registration_gives_its_layout():
 )
 def test_malformed_registrations_are_refused(over, exc, match):
     with pytest.raises(exc, match=match):
-        _reg(**over).validate()
+        layout_of(_reg(**over))

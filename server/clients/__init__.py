@@ -1,0 +1,1 @@
+"""Who is connected and what each client holds: sessions, instances, leases, saves (registry.py)."""

@@ -1,0 +1,47 @@
+"""Save reservations: blocks granted by AllocateBlocks and not yet sealed.
+
+A save is bound to the session that allocated it. Its blocks are invisible
+until sealed; whatever is still unsealed when the save is aborted, its session
+dies or the write timeout passes is freed.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from pegaflow.server.store.index import BlockEntry
+
+
+class Save:
+    __slots__ = (
+        "id",
+        "session_id",
+        "instance_id",
+        "ns_index",
+        "chain",
+        "pending",
+        "created_at",
+        "expires_at",
+        "sealed_bytes",
+    )
+
+    def __init__(
+        self,
+        session_id: str,
+        instance_id: str,
+        ns_index: int,
+        chain: tuple[bytes, ...],
+        now: float,
+        timeout_s: float,
+        ident: str = "",
+    ):
+        self.id = ident or "w-" + secrets.token_hex(12)
+        self.session_id = session_id
+        self.instance_id = instance_id
+        self.ns_index = ns_index
+        # Every hash the save was asked for, in order (granted or not): the chain it restates at seal.
+        self.chain = chain
+        self.pending: dict[bytes, BlockEntry | None] = {}  # block hash -> granted, unsealed block
+        self.created_at = now
+        self.expires_at = now + timeout_s
+        self.sealed_bytes = 0

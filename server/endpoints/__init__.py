@@ -1,0 +1,1 @@
+"""The RPC surface: gRPC servicer, local RPC socket, fd broker, input validation."""

@@ -1,0 +1,682 @@
+"""The block store: which blocks exist, which tiers hold them, and moving them between tiers.
+
+It owns the block index, the DRAM tier's space (and its eviction policy), the
+SSD tier's space (FIFO, see below) and the decisions to demote (write a DRAM
+block to SSD), drop and promote (read an SSD block back into a DRAM slot). It
+does no I/O itself: every method runs under the engine lock and returns the
+transfers it planned as ``IoBatch`` objects; the tier mover
+(server/movers/tier_io.py) runs them after the lock is released and hands each
+completion back to ``complete`` (under the lock again). So no disk or network
+I/O ever happens under the engine lock, and a transfer's slots and extents are
+pinned (``BlockEntry.io``) from planning to completion.
+
+Concurrency: the engine lock guards everything here. The DRAM policy has its
+own lock and is entered only after the engine lock.
+
+Eviction (DRAM): the policy names victims; a victim with a ready SSD copy only
+loses its DRAM copy (it stays a hit, from SSD), one without is dropped. Pinned
+blocks (leases), blocks being written, filled or read by a transfer are never
+victims. Slab moves (tiers/dram/README.md) evict a whole slab of another size.
+
+Tiering (SSD): a block reaches the SSD tier by a demotion write, when the
+placement rule (policy/placement.py) says so: at seal (write-through) or at its
+first reuse (second sighting: a block looked up again is worth keeping, a
+one-off is not written). Space on the SSD tier is reclaimed FIFO, in the order
+it was allocated (which is the log order the tier writes in): the oldest SSD
+copy goes first, so the tier's oldest segment empties and is reused. A block
+the SSD tier drops keeps its DRAM copy if it has one.
+
+Promotion: a prefix query that reaches blocks held only on SSD allocates DRAM
+slots for them and plans their reads (bounded bytes in flight; over the bound
+the rest of the chain is a miss, counted, never an error). Until its read
+completes such a block is *pending*: part of the hit, not yet readable. A read
+that fails its checksum drops that SSD copy: never a wrong byte.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from pegaflow.common.wire.types import AllocStatus, Tier
+from pegaflow.server.policy.base import EvictionPolicy
+from pegaflow.server.policy.placement import SsdPlacement
+from pegaflow.server.store.index import NO_SLOT, SEALED, WRITING, BlockEntry, BlockIndex, BlockKey
+from pegaflow.server.store.namespace import NamespaceTable, block_tag
+from pegaflow.server.store.stats import StoreCounters
+from pegaflow.server.tiers.base import Extent, IoStatus, ReadRequest, WriteRequest
+from pegaflow.server.tiers.base import Tier as TierBase
+from pegaflow.server.tiers.dram.journal import JournaledBlock
+from pegaflow.server.tiers.dram.tier import DramTier
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class IoBatch:
+    """Transfers planned under the lock, run by the tier mover after it."""
+
+    kind: str  # "promote" (SSD -> DRAM) | "demote" (DRAM -> SSD) | "checksum" (hash sealed DRAM blocks)
+    tier: TierBase
+    entries: list[BlockEntry]
+    requests: list  # ReadRequest | WriteRequest, one per entry
+    nbytes: int
+    planned_at: float = dataclasses.field(default_factory=time.monotonic)
+
+
+@dataclasses.dataclass
+class PrefixScan:
+    """The leading blocks of a chain that some tier holds, head first."""
+
+    entries: list[BlockEntry]  # ready in DRAM first, then pending (being promoted / fetched)
+    ready: int  # leading entries readable in DRAM now
+    sources: list[Tier]  # where each entry was found by this scan
+    batch: IoBatch | None  # promotions this scan started
+    dropped: int = 0  # SSD hits not promoted (in-flight bound or no DRAM slot): misses
+
+    @property
+    def pending(self) -> int:
+        return len(self.entries) - self.ready
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreLimits:
+    promote_inflight_bytes: int = 1 << 30  # bytes being promoted at once; beyond it a hit is a miss
+    demote_inflight_bytes: int = 256 << 20  # bytes being written to SSD at once; beyond it, not written
+
+
+class BlockStore:
+    def __init__(
+        self,
+        dram: DramTier,
+        policy: EvictionPolicy,
+        namespaces: NamespaceTable,
+        ssd: TierBase | None = None,
+        placement: SsdPlacement | None = None,
+        limits: StoreLimits = StoreLimits(),
+        hasher=None,
+        journal=None,
+    ):
+        self.dram = dram
+        self.allocator = dram.allocator
+        self.policy = policy
+        self.namespaces = namespaces
+        self.ssd = ssd
+        self.placement = placement or SsdPlacement("off")
+        self.limits = limits
+        self.index = BlockIndex()
+        self.counters = StoreCounters()
+        # SSD copies in allocation order (the tier's log order); stale pairs are skipped.
+        self._ssd_fifo: deque[tuple[BlockEntry, Extent]] = deque()
+        self._promoting_bytes = 0
+        self._demoting_bytes = 0
+        # With a hasher every sealed block gets its checksum off the lock (movers/block_hasher.py);
+        # with a journal (a persistent pool) the hashed blocks are journaled (tiers/dram/journal.py).
+        self.hasher = hasher
+        self.journal = journal
+        # With a metaserver: (added?, namespace index, hash) of every DRAM copy that became ready or
+        # left, drained by the engine after its lock (peers only read DRAM copies: only those count).
+        self.publishing = False
+        self.published: list[tuple[bool, int, bytes]] = []
+
+    # ============================================================== save path
+
+    def reserve(
+        self,
+        ns_index: int,
+        block_bytes: int,
+        hashes: Sequence[bytes],
+        save,
+        deadline: float | None,
+        max_grant: int | None = None,
+    ) -> tuple[list[AllocStatus], list[int], list[BlockEntry]]:
+        """DRAM slots for the hashes not stored yet, at most ``max_grant`` of them (the rest REJECTED:
+        the caller's quota). Returns (status per hash, offsets of the granted ones, the chain's stored
+        entries). Granted entries are WRITING and listed in save.pending."""
+        statuses: list[AllocStatus] = []
+        new_hashes: list[bytes] = []
+        new_positions: list[int] = []
+        stored: list[BlockEntry] = []
+        get = self.index.get
+        for position, block_hash in enumerate(hashes):
+            entry = get((ns_index, block_hash))
+            if entry is not None:
+                if entry.state == SEALED:
+                    statuses.append(AllocStatus.EXISTS)
+                    stored.append(entry)
+                else:
+                    statuses.append(AllocStatus.IN_PROGRESS)
+            elif block_hash in save.pending:  # the same hash twice in one request
+                statuses.append(AllocStatus.IN_PROGRESS)
+            elif max_grant is not None and len(new_hashes) >= max_grant:
+                statuses.append(AllocStatus.REJECTED)
+            else:
+                save.pending[block_hash] = None  # placeholder, keeps request order
+                statuses.append(AllocStatus.GRANTED)
+                new_hashes.append(block_hash)
+                new_positions.append(position)
+        # The chain's stored blocks are not evicted to make room for its own tail, useless without them.
+        offsets = self._allocate_slots(block_bytes, len(new_hashes), deadline, keep=stored)
+        for position, block_hash in zip(
+            new_positions[len(offsets) :], new_hashes[len(offsets) :], strict=True
+        ):
+            statuses[position] = AllocStatus.NO_SPACE
+            del save.pending[block_hash]
+            self.counters.no_space_blocks += 1
+        add = self.index.add_writing
+        for block_hash, offset in zip(new_hashes, offsets, strict=False):
+            entry = add((ns_index, block_hash), block_bytes, offset, save.id)
+            entry.held = True  # the allocation held its slab
+            save.pending[block_hash] = entry
+        return statuses, offsets, stored
+
+    def seal(self, save, sealing: dict[bytes, BlockEntry]) -> tuple[int, IoBatch | None]:
+        """Seals ``sealing`` and restates the save's chain, tail first; returns (bytes sealed, the
+        demotion writes the placement rule asks for).
+
+        A save is an ordered chain (a prefix); its blocks are useless without the ones before them.
+        Walking it from the tail, each block is inserted (being sealed now) or refreshed (stored
+        already), so the chain ends ordered head > ... > tail in the policy, and under pressure a
+        prefix loses its tail first."""
+        policy, get, pending = self.policy, self.index.get, save.pending
+        sealed: list[BlockEntry] = []
+        for block_hash in reversed(save.chain):
+            entry = sealing.pop(block_hash, None)
+            if entry is not None:
+                self.index.seal(entry)
+                self._rehold(entry)
+                policy.on_insert(entry.key, entry.length)
+                sealed.append(entry)
+                if self.publishing:
+                    self.published.append((True, entry.key[0], entry.key[1]))
+            elif block_hash not in pending:
+                entry = get((save.ns_index, block_hash))
+                if entry is not None and entry.state == SEALED and entry.dram_ready:
+                    policy.on_refresh(entry.key)
+        sealed.reverse()
+        self.counters.sealed_blocks += len(sealed)
+        nbytes = sum(e.length for e in sealed)
+        self.counters.save_bytes += nbytes
+        batches = [self._plan_checksums(sealed)]
+        if self.placement.on_seal:
+            batches.append(self._plan_demotions(sealed))
+        return nbytes, batches
+
+    def abort(self, save) -> int:
+        """Frees a save's unsealed blocks (they never become visible). Returns how many."""
+        freed = 0
+        for entry in save.pending.values():
+            if entry is None:
+                continue
+            self.index.remove(entry)
+            if entry.held:
+                self.allocator.unhold(entry.dram)
+            self.allocator.free(entry.dram)
+            freed += 1
+        save.pending.clear()
+        self.counters.aborted_blocks += freed
+        return freed
+
+    def refresh_chain(self, ns_index: int, chain: Sequence[bytes]) -> None:
+        """Renews the recency of the chain's DRAM blocks, tail first, so its head ends the most recent."""
+        policy, get = self.policy, self.index.get
+        for block_hash in reversed(chain):
+            entry = get((ns_index, block_hash))
+            if entry is not None and entry.state == SEALED and entry.dram_ready:
+                policy.on_refresh(entry.key)
+
+    # ============================================================== load path
+
+    def scan(self, ns_index: int, hashes: Sequence[bytes], promote: bool = True) -> PrefixScan:
+        """The leading blocks of ``hashes`` that a tier holds; with ``promote`` the ones held only on
+        SSD get DRAM slots and their reads are planned (returned in ``batch``)."""
+        get = self.index.get
+        entries: list[BlockEntry] = []
+        sources: list[Tier] = []
+        to_promote: list[BlockEntry] = []
+        ready = 0
+        ssd_ok = promote and self.ssd is not None
+        budget = self.limits.promote_inflight_bytes - self._promoting_bytes
+        dropped = 0
+        for block_hash in hashes:
+            entry = get((ns_index, block_hash))
+            if entry is None or entry.state != SEALED:
+                break
+            if entry.dram_ready:
+                if ready == len(entries):
+                    ready += 1
+                source = Tier.DRAM
+            elif entry.filling_from is not None:
+                source = entry.filling_from
+            elif entry.ssd_ready and ssd_ok and entry.io == 0:
+                if entry.length > budget:
+                    dropped = 1
+                    break
+                budget -= entry.length
+                to_promote.append(entry)
+                source = Tier.SSD
+            else:
+                break
+            entries.append(entry)
+            sources.append(source)
+        batch = None
+        if to_promote:
+            got = self._plan_promotions(to_promote, keep=entries)
+            if got < len(to_promote):
+                # the chain ends before the first SSD block that got no DRAM slot
+                cut = entries.index(to_promote[got])
+                dropped += len(to_promote) - got
+                del entries[cut:], sources[cut:]
+                to_promote = to_promote[:got]
+            if to_promote:
+                batch = self._promotion_batch(to_promote)
+        if dropped:
+            self.counters.promotions_dropped += dropped
+        return PrefixScan(entries, ready, sources, batch, dropped)
+
+    def pin(self, entries: Sequence[BlockEntry]) -> None:
+        for entry in entries:
+            if self.index.pin(entry):
+                self._rehold(entry)
+
+    def unpin(self, entries: Sequence[BlockEntry]) -> None:
+        for entry in entries:
+            if self.index.unpin(entry):
+                self._rehold(entry)
+
+    def reused(self, entries: Sequence[BlockEntry]) -> IoBatch | None:
+        """A lookup hit these DRAM blocks: the second-sighting placement writes them to SSD now."""
+        if not self.placement.on_reuse:
+            return None
+        return self._plan_demotions([e for e in entries if e.dram_ready and e.ssd is None])
+
+    # ============================================================ completions
+
+    def complete(self, batch: IoBatch, statuses: Sequence) -> None:
+        """A batch's transfers finished (the tier mover calls this under the engine lock). For a
+        "checksum" batch the results are the digests (None where hashing did not happen)."""
+        if batch.kind == "checksum":
+            for entry, digest in zip(batch.entries, statuses, strict=True):
+                self._hashed(entry, digest)
+        elif batch.kind == "promote":
+            self._promoting_bytes -= batch.nbytes
+            for entry, status in zip(batch.entries, statuses, strict=True):
+                self._promoted(entry, status)
+        else:
+            self._demoting_bytes -= batch.nbytes
+            for entry, status in zip(batch.entries, statuses, strict=True):
+                self._demoted(entry, status)
+
+    def _promoted(self, entry: BlockEntry, status: IoStatus) -> None:
+        entry.io -= 1
+        live = self.index.get(entry.key) is entry
+        if status == IoStatus.OK and live:
+            self.index.slot_filled(entry)
+            self.policy.on_insert(entry.key, entry.length)
+            self.counters.promoted_blocks += 1
+            self.counters.promoted_bytes += entry.length
+            self._rehold(entry)
+            if self.publishing:
+                self.published.append((True, entry.key[0], entry.key[1]))
+            return
+        self.counters.promotion_failures += 1
+        if status == IoStatus.CORRUPT:
+            self.counters.corrupt_blocks += 1
+        slot = self.index.detach_slot(entry) if entry.dram != NO_SLOT else NO_SLOT
+        if slot != NO_SLOT:
+            self._release_slot(entry, slot)
+        if status in (IoStatus.CORRUPT, IoStatus.IO_ERROR) and entry.ssd is not None:
+            self._drop_ssd_copy(entry)
+        self._forget_if_gone(entry)
+
+    def _hashed(self, entry: BlockEntry, digest) -> None:
+        entry.io -= 1
+        if isinstance(digest, int) and self.index.get(entry.key) is entry and entry.dram_ready:
+            entry.checksum = digest
+            if self.journal is not None:
+                ns = self.namespaces.at(entry.key[0])
+                self.journal.sealed(
+                    JournaledBlock(entry.dram, entry.length, digest, block_tag(ns.id, entry.key[1]))
+                )
+        self._rehold(entry)
+
+    def _demoted(self, entry: BlockEntry, status: IoStatus) -> None:
+        entry.io -= 1
+        if status == IoStatus.OK and entry.ssd is not None:
+            self.index.ssd_written(entry)
+            self.counters.demoted_blocks += 1
+            self.counters.demoted_bytes += entry.length
+        else:
+            self.counters.demotion_failures += 1
+            if entry.ssd is not None:
+                self._drop_ssd_copy(entry)
+        self._rehold(entry)
+        self._forget_if_gone(entry)
+
+    # ============================================================== recovery
+
+    def recover(self, ns_index: int, block_hash: bytes, extent: Extent) -> bool:
+        """A block the SSD tier still holds after a restart (called in the tier's FIFO order)."""
+        key: BlockKey = (ns_index, block_hash)
+        existing = self.index.get(key)
+        if existing is not None:
+            if existing.ssd is not None or existing.length != extent.length:
+                return False
+            self.index.attach_ssd(existing, extent)  # the persistent pool re-adopted it too
+            self.index.ssd_written(existing)
+            self._ssd_fifo.append((existing, extent))
+            return True
+        entry = self.index.add_recovered(key, extent.length, extent)
+        self._ssd_fifo.append((entry, extent))
+        self.counters.recovered_blocks += 1
+        return True
+
+    # ================================================================ helpers
+
+    def _rehold(self, entry: BlockEntry) -> None:
+        """Keeps the allocator's hold on the entry's slab in step with whether its DRAM slot may move
+        (a slab move evicts every block in a slab): held while written, filled, read or pinned."""
+        want = entry.dram != NO_SLOT and (
+            entry.state == WRITING or entry.pins > 0 or entry.io > 0 or entry.filling_from is not None
+        )
+        if want != entry.held:
+            if want:
+                self.allocator.hold(entry.dram)
+            else:
+                self.allocator.unhold(entry.dram)
+            entry.held = want
+
+    def _release_slot(self, entry: BlockEntry, slot: int) -> None:
+        if entry.held:
+            self.allocator.unhold(slot)
+            entry.held = False
+        if self.journal is not None:
+            self.journal.dropped(slot)  # the journal ignores a slot it never named
+        self.allocator.free(slot)
+
+    def _evictable(self, entry: BlockEntry | None) -> bool:
+        return (
+            entry is not None
+            and entry.state == SEALED
+            and entry.dram_ready
+            and entry.pins == 0
+            and entry.io == 0
+        )
+
+    def _evict_dram(self, entry: BlockEntry) -> None:
+        """Drops the entry's DRAM copy; the block stays (from SSD) if its SSD copy is ready."""
+        slot = self.index.detach_slot(entry)
+        self._release_slot(entry, slot)
+        self.policy.on_remove(entry.key)
+        if self.publishing:
+            self.published.append((False, entry.key[0], entry.key[1]))
+        if entry.ssd_ready:
+            self.counters.dram_drops_kept_on_ssd += 1
+        else:
+            self.counters.evictions += 1
+        self._forget_if_gone(entry)
+
+    def _forget_if_gone(self, entry: BlockEntry) -> None:
+        if (
+            entry.state == SEALED
+            and entry.dram == NO_SLOT
+            and entry.ssd is None
+            and entry.io == 0
+            and self.index.get(entry.key) is entry
+        ):
+            self.index.remove(entry)
+
+    def _allocate_slots(
+        self, block_bytes: int, count: int, deadline: float | None, keep: Sequence[BlockEntry] = ()
+    ) -> list[int]:
+        """Up to ``count`` held DRAM slots for blocks of this size, evicting as the policy says when the
+        pool is full (never a block of ``keep``); fewer only when nothing evictable is left or the
+        deadline passed.
+
+        The policy's victims are evicted (whatever their size) until enough slots of this size are
+        free: a victim of this size frees one, and a slab that empties can go to any size. Victims of
+        other sizes leave free slots there that this size cannot use; whenever a slab's worth of those
+        has piled up, a whole slab of another size (no held blocks, the emptiest) is evicted and moves
+        to this size. Evicting first and allocating in one step afterwards hands out the freed slots in
+        address order, so a batch that replaces an evicted batch stays contiguous.
+        """
+        allocator = self.allocator
+        offsets = allocator.allocate_many(block_bytes, count, hold=True)
+        need = count - len(offsets)
+        if need == 0:
+            return offsets
+        get = self.index.get
+        kept = {entry.key for entry in keep}
+
+        def skip(key: BlockKey) -> bool:
+            return key in kept or not self._evictable(get(key))
+
+        freed_elsewhere = 0
+        rounds = 0
+        while allocator.available(block_bytes) < need:
+            rounds += 1
+            if rounds % 64 == 0 and deadline is not None and time.monotonic() > deadline:
+                break  # grant what is free; the RPC layer undoes everything if the caller has left
+            if freed_elsewhere >= allocator.slab_bytes:
+                freed_elsewhere = 0
+                if self._move_slab(block_bytes):
+                    continue
+            victim = self.policy.next_victim(skip)
+            if victim is None:
+                if not self._move_slab(block_bytes):
+                    break  # nothing evictable is left
+                continue
+            entry = get(victim)
+            if not self._evictable(entry):
+                # The policy tracks a key the store no longer holds in DRAM: resync and go on.
+                log.warning("policy offered a non-evictable key %r; dropping it from the policy", victim)
+                self.policy.on_remove(victim)
+                continue
+            self._evict_dram(entry)
+            if entry.length != block_bytes:
+                freed_elsewhere += entry.length
+        offsets += allocator.allocate_many(block_bytes, need, hold=True)
+        return offsets
+
+    def _move_slab(self, block_bytes: int) -> bool:
+        """Evicts every block of the emptiest movable slab of another size; False if there is none."""
+        slab = self.allocator.reclaimable_slab(block_bytes)
+        if slab is None:
+            return False
+        for slot in self.allocator.used_offsets(slab):
+            self._evict_dram(self.index.at_slot(slot))
+        self.allocator.note_slab_move()
+        return True
+
+    # ---------------------------------------------------------- checksums
+
+    def _plan_checksums(self, entries: Sequence[BlockEntry]) -> IoBatch | None:
+        """Hashes of freshly sealed blocks, their slots pinned until known."""
+        if self.hasher is None or not entries:
+            return None
+        view = self.dram.pool_view()
+        requests = []
+        for entry in entries:
+            entry.io += 1
+            self._rehold(entry)
+            requests.append(memoryview(view[entry.dram : entry.dram + entry.length]))
+        return IoBatch("checksum", self.hasher, list(entries), requests, sum(e.length for e in entries))
+
+    def recover_slot(self, ns_index: int, block_hash: bytes, slot: int, length: int, digest: int) -> bool:
+        """A block a persistent pool still holds after a restart (slot already restored in the allocator)."""
+        key: BlockKey = (ns_index, block_hash)
+        if key in self.index:
+            return False
+        self.index.add_recovered_slot(key, length, slot, digest)
+        self.policy.on_insert(key, length)
+        self.counters.recovered_dram_blocks += 1
+        return True
+
+    # ---------------------------------------------------------- promotion
+
+    def _plan_promotions(self, entries: list[BlockEntry], keep: Sequence[BlockEntry]) -> int:
+        """DRAM slots for SSD-only blocks, in chain order; returns how many got one. Blocks of one
+        size share one allocation (chains are single-namespace, so they do)."""
+        block_bytes = entries[0].length
+        slots = self._allocate_slots(block_bytes, len(entries), None, keep=keep)
+        for entry, slot in zip(entries, slots, strict=False):
+            self.index.attach_slot(entry, slot, Tier.SSD)
+            entry.held = True  # the allocation held its slab
+            entry.io += 1
+        return len(slots)
+
+    def _promotion_batch(self, entries: list[BlockEntry]) -> IoBatch:
+        requests = []
+        for entry in entries:
+            ns = self.namespaces.at(entry.key[0])
+            requests.append(
+                ReadRequest(
+                    entry.ssd, block_tag(ns.id, entry.key[1]), self.dram.view(entry.dram, entry.length)
+                )
+            )
+        nbytes = sum(e.length for e in entries)
+        self._promoting_bytes += nbytes
+        self.counters.promotions_started += len(entries)
+        return IoBatch("promote", self.ssd, entries, requests, nbytes)
+
+    # ----------------------------------------------------------- demotion
+
+    def _plan_demotions(self, entries: Sequence[BlockEntry]) -> IoBatch | None:
+        """SSD extents and writes for DRAM blocks without an SSD copy, within the in-flight bound."""
+        if self.ssd is None or not entries:
+            return None
+        planned: list[BlockEntry] = []
+        requests: list[WriteRequest] = []
+        room = self.limits.demote_inflight_bytes - self._demoting_bytes
+        for entry in entries:
+            if entry.ssd is not None or not entry.dram_ready:
+                continue
+            if entry.length > room:
+                self.counters.demotions_dropped += 1
+                continue
+            extents = self._allocate_ssd(entry.length, 1)
+            if not extents:
+                self.counters.demotions_dropped += 1
+                continue
+            room -= entry.length
+            extent = extents[0]
+            self.index.attach_ssd(entry, extent)
+            self._ssd_fifo.append((entry, extent))
+            entry.io += 1
+            self._rehold(entry)
+            ns = self.namespaces.at(entry.key[0])
+            requests.append(
+                WriteRequest(extent, block_tag(ns.id, entry.key[1]), self.dram.view(entry.dram, entry.length))
+            )
+            planned.append(entry)
+        if not planned:
+            return None
+        nbytes = sum(e.length for e in planned)
+        self._demoting_bytes += nbytes
+        self.counters.demotions_started += len(planned)
+        return IoBatch("demote", self.ssd, planned, requests, nbytes)
+
+    def _allocate_ssd(self, block_bytes: int, count: int) -> list[Extent]:
+        """SSD extents, reclaiming the oldest SSD copies (FIFO) while the tier is full. A copy being
+        read (a promotion) blocks reclamation: the write is then not done (counted by the caller)."""
+        ssd = self.ssd
+        got = ssd.allocate(block_bytes, count)
+        fifo = self._ssd_fifo
+        while len(got) < count and fifo:
+            entry, extent = fifo[0]
+            if entry.ssd != extent:  # stale: that copy was dropped already
+                fifo.popleft()
+                continue
+            if entry.io:
+                break
+            fifo.popleft()
+            self._drop_ssd_copy(entry)
+            self.counters.ssd_reclaimed_blocks += 1
+            self._forget_if_gone(entry)
+            got += ssd.allocate(block_bytes, count - len(got))
+        return got
+
+    def _drop_ssd_copy(self, entry: BlockEntry) -> None:
+        extent = self.index.detach_ssd(entry)
+        self.ssd.free([extent])
+
+    # ======================================================= other nodes (L2)
+
+    def plan_fetch(self, ns_index: int, hashes: Sequence[bytes], block_bytes: int) -> list[BlockEntry]:
+        """DRAM slots for the leading ``hashes`` this node does not hold, to be filled from a peer;
+        stops at the first one it holds or cannot get a slot for. The entries are pending
+        (``filling_from`` REMOTE) until ``fetched``; their slots are pinned meanwhile."""
+        get = self.index.get
+        wanted: list[bytes] = []
+        for block_hash in hashes:
+            if get((ns_index, block_hash)) is not None:
+                break
+            wanted.append(block_hash)
+        if not wanted:
+            return []
+        slots = self._allocate_slots(block_bytes, len(wanted), None)
+        entries = []
+        for block_hash, slot in zip(wanted, slots, strict=False):
+            entry = self.index.add_fetching((ns_index, block_hash), block_bytes, slot)
+            entry.held = True  # the allocation held its slab
+            entry.io += 1
+            entries.append(entry)
+        self.counters.fetches_started += len(entries)
+        return entries
+
+    def fetched(
+        self, entries: Sequence[BlockEntry], ok: Sequence[bool], checksums: Sequence[int | None]
+    ) -> None:
+        """A peer fetch resolved: the blocks that arrived whole become readable (and are published as
+        held here too), the others leave. No byte can still land in a slot when this is called."""
+        for entry, good, digest in zip(entries, ok, checksums, strict=True):
+            entry.io -= 1
+            if self.index.get(entry.key) is not entry:
+                continue
+            if good:
+                self.index.slot_filled(entry)
+                entry.checksum = digest
+                self.policy.on_insert(entry.key, entry.length)
+                self.counters.fetched_blocks += 1
+                self.counters.fetched_bytes += entry.length
+                self._rehold(entry)
+                if self.publishing:
+                    self.published.append((True, entry.key[0], entry.key[1]))
+                if self.journal is not None and digest is not None:
+                    ns = self.namespaces.at(entry.key[0])
+                    self.journal.sealed(
+                        JournaledBlock(entry.dram, entry.length, digest, block_tag(ns.id, entry.key[1]))
+                    )
+            else:
+                self.counters.fetch_failures += 1
+                self._release_slot(entry, self.index.detach_slot(entry))
+                self.index.remove(entry)
+
+    def dram_prefix(self, ns_index: int, hashes: Sequence[bytes]) -> list[BlockEntry]:
+        """The leading blocks of ``hashes`` readable in DRAM now (what a peer's transfer may read)."""
+        get = self.index.get
+        out = []
+        for block_hash in hashes:
+            entry = get((ns_index, block_hash))
+            if entry is None or entry.state != SEALED or not entry.dram_ready:
+                break
+            out.append(entry)
+        return out
+
+    def dram_keys(self) -> list[BlockKey]:
+        """Every block readable in DRAM (the publisher's snapshot, taken under the lock)."""
+        return [key for key, entry in self.index.items() if entry.dram_ready]
+
+    # ================================================================ stats
+
+    def ssd_fifo_len(self) -> int:
+        return len(self._ssd_fifo)
+
+    def inflight_bytes(self) -> tuple[int, int]:
+        return self._promoting_bytes, self._demoting_bytes
+
+
+NotEvictable = Callable[[BlockKey], bool]

@@ -1,0 +1,353 @@
+"""Multi-size slab allocator over the pool region (see README.md here for the behaviour).
+
+The pool is cut into equal slabs. A slab is free or assigned to exactly one
+block size; an assigned slab is an array of equal slots. Namespaces with equal
+block sizes share slabs. Because every slot of a slab has the same size, a freed
+slot is always reusable by the next block of that size: there is no external
+fragmentation *inside* a size, only (a) the tail of each slab that is smaller
+than a slot and (b) free slots stranded in one size while another size needs
+room. (b) is bounded by returning a slab to the free list as soon as it is
+empty, and by ``reclaimable_slab``: when one size is out of room and the pool
+is full, the engine evicts every block of a whole slab of another size and the
+slab changes size, so no namespace can starve another.
+
+Not thread-safe: the engine calls it under its own lock. Offsets are byte
+offsets into the region; the allocator never touches the bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+
+from pegaflow.server.config import MIB
+
+MIN_SLAB_BYTES = 4 * MIB
+MAX_SLAB_BYTES = 64 * MIB
+# Slots start on this boundary so the GPU copy kernel can use 16-byte (and wider) loads.
+SLOT_ALIGN = 256
+# With a tier below DRAM, slots start on an O_DIRECT boundary and their stride is a multiple of it,
+# so the SSD tier reads and writes a slot in place (tiers/base.py, IO_ALIGN), padding included.
+IO_SLOT_ALIGN = 4096
+
+
+def default_slab_bytes(capacity_bytes: int) -> int:
+    """The largest power of two <= capacity/32, clamped to [4 MiB, 64 MiB].
+
+    Aim: at least ~32 slabs so several block sizes can coexist in small pools,
+    while slabs stay large enough for multi-MiB blocks. The slab size is also
+    the largest block the pool serves.
+    """
+    target = max(capacity_bytes // 32, 1)
+    slab = 1 << (target.bit_length() - 1)
+    return max(MIN_SLAB_BYTES, min(MAX_SLAB_BYTES, slab))
+
+
+def slot_stride(block_bytes: int, align: int = SLOT_ALIGN) -> int:
+    return -(-block_bytes // align) * align
+
+
+class _Slab:
+    __slots__ = ("index", "base", "block_bytes", "stride", "nslots", "free", "used", "holds")
+
+    def __init__(self, index: int, base: int, block_bytes: int, stride: int, nslots: int):
+        self.index = index
+        self.base = base
+        self.block_bytes = block_bytes
+        self.stride = stride
+        self.nslots = nslots
+        # Popped from the end: a fresh slab hands out ascending offsets, so a batch
+        # of new blocks is contiguous and a client can copy it in one go.
+        self.free = [base + i * stride for i in range(nslots - 1, -1, -1)]
+        self.used = 0
+        self.holds = 0  # blocks in this slab that must not move (being written or leased)
+
+
+class _SizeClass:
+    __slots__ = ("block_bytes", "stride", "slabs", "partial", "partial_heap", "used", "free_slots")
+
+    def __init__(self, block_bytes: int, stride: int):
+        self.block_bytes = block_bytes
+        self.stride = stride
+        self.slabs: set[int] = set()
+        # Slabs with at least one free slot. Filling the lowest-numbered first packs a
+        # size into few slabs, so the others drain and can be handed back or moved.
+        self.partial: set[int] = set()
+        self.partial_heap: list[int] = []
+        self.used = 0
+        self.free_slots = 0  # free slots in this size's slabs
+
+
+@dataclasses.dataclass(frozen=True)
+class SizeClassStats:
+    block_bytes: int
+    slabs: int
+    used_blocks: int
+    free_slots: int
+    slot_tail_bytes: int  # per-slab bytes too small for another slot, times slabs
+
+
+@dataclasses.dataclass(frozen=True)
+class AllocatorStats:
+    capacity_bytes: int
+    slab_bytes: int
+    total_slabs: int
+    free_slabs: int
+    used_bytes: int  # sum of block_bytes of allocated blocks
+    stranded_bytes: int  # bytes in assigned slabs not holding a block (free slots, tails, padding)
+    unusable_bytes: int  # pool tail smaller than a slab
+    classes: tuple[SizeClassStats, ...]
+
+
+class SlabAllocator:
+    def __init__(self, capacity_bytes: int, slab_bytes: int | None = None, slot_align: int = SLOT_ALIGN):
+        slab_bytes = slab_bytes or default_slab_bytes(capacity_bytes)
+        if slot_align <= 0 or slot_align & (slot_align - 1):
+            raise ValueError(f"slot_align must be a power of two, got {slot_align}")
+        if slab_bytes <= 0 or slab_bytes % slot_align:
+            raise ValueError(f"slab_bytes must be a positive multiple of {slot_align}, got {slab_bytes}")
+        self.slot_align = slot_align
+        if capacity_bytes < slab_bytes:
+            raise ValueError(f"pool of {capacity_bytes} bytes is smaller than one slab ({slab_bytes} bytes)")
+        self.capacity_bytes = capacity_bytes
+        self.slab_bytes = slab_bytes
+        self.total_slabs = capacity_bytes // slab_bytes
+        self._slabs: list[_Slab | None] = [None] * self.total_slabs
+        # A min-heap: free slabs are handed out lowest address first, so a batch that needs several
+        # gets adjacent ones when there are, and its blocks form one run (one long copy for a client).
+        self._free_slabs = list(range(self.total_slabs))
+        self._classes: dict[int, _SizeClass] = {}
+        self.used_bytes = 0
+        self.slab_moves = 0  # slabs reassigned from one size to another
+
+    @property
+    def max_block_bytes(self) -> int:
+        return self.slab_bytes
+
+    @property
+    def free_slabs(self) -> int:
+        return len(self._free_slabs)
+
+    def fits(self, block_bytes: int) -> bool:
+        return 0 < block_bytes <= self.slab_bytes
+
+    def allocate(self, block_bytes: int, hold: bool = False) -> int | None:
+        """Offset of a fresh slot for a block of this size, or None when neither a slot nor a slab is free.
+
+        With ``hold`` the slot is also held (see ``hold``), in the same step.
+        """
+        got = self.allocate_many(block_bytes, 1, hold)
+        return got[0] if got else None
+
+    def allocate_many(self, block_bytes: int, count: int, hold: bool = False) -> list[int]:
+        """Up to ``count`` fresh slots (fewer when free slots and slabs run out), ascending per slab."""
+        cls = self._classes.get(block_bytes)
+        if cls is None:
+            if not self.fits(block_bytes):
+                raise ValueError(f"block of {block_bytes} bytes exceeds the slab size {self.slab_bytes}")
+            cls = self._classes[block_bytes] = _SizeClass(
+                block_bytes, slot_stride(block_bytes, self.slot_align)
+            )
+        out: list[int] = []
+        while len(out) < count:
+            slab = self._partial_slab(cls)
+            if slab is None:
+                if not self._free_slabs:
+                    break
+                slab = self._assign_slab(cls, heapq.heappop(self._free_slabs))
+            take = min(count - len(out), len(slab.free))
+            taken = slab.free[-take:]
+            del slab.free[-take:]
+            # Ascending, so blocks freed together (an evicted batch) are handed out as one run.
+            taken.sort()
+            out.extend(taken)
+            slab.used += take
+            if hold:
+                slab.holds += take
+            if not slab.free:
+                cls.partial.discard(slab.index)
+        cls.used += len(out)
+        cls.free_slots -= len(out)
+        self.used_bytes += len(out) * block_bytes
+        return out
+
+    def available(self, block_bytes: int) -> int:
+        """Slots a block of this size could get without evicting: its free slots plus the free slabs."""
+        cls = self._classes.get(block_bytes)
+        free_in_class = cls.free_slots if cls is not None else 0
+        return free_in_class + len(self._free_slabs) * (
+            self.slab_bytes // slot_stride(block_bytes, self.slot_align)
+        )
+
+    def free(self, offset: int) -> None:
+        """Returns a slot. An emptied slab goes back to the free list, available to any size."""
+        slab = self._slab_at(offset)
+        cls = self._classes[slab.block_bytes]
+        if not slab.free:
+            self._mark_partial(cls, slab.index)
+        slab.free.append(offset)
+        slab.used -= 1
+        cls.used -= 1
+        cls.free_slots += 1
+        self.used_bytes -= slab.block_bytes
+        if slab.used == 0:
+            if slab.holds:
+                raise AssertionError(f"slab {slab.index} emptied with {slab.holds} holds")
+            self._release_slab(cls, slab)
+
+    def restore(self, slots: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Marks ``(offset, block_bytes)`` slots as allocated on a fresh allocator (a restarted server
+        re-adopting the blocks its persistent pool still holds). Returns the slots it refused: an
+        offset that is not a slot of its size in a slab free or already of that size, or one given
+        twice. Not held: the caller decides."""
+        if self.used_bytes:
+            raise ValueError("restore() needs a fresh allocator")
+        refused: list[tuple[int, int]] = []
+        taken: dict[int, set[int]] = {}
+        for offset, block_bytes in slots:
+            if not self.fits(block_bytes) or not 0 <= offset < self.total_slabs * self.slab_bytes:
+                refused.append((offset, block_bytes))
+                continue
+            cls = self._classes.get(block_bytes)
+            if cls is None:
+                cls = self._classes[block_bytes] = _SizeClass(
+                    block_bytes, slot_stride(block_bytes, self.slot_align)
+                )
+            index = offset // self.slab_bytes
+            slab = self._slabs[index]
+            if slab is None:
+                self._free_slabs.remove(index)
+                slab = self._assign_slab(cls, index)
+            rel = offset - slab.base
+            if slab.block_bytes != block_bytes or rel % slab.stride or rel // slab.stride >= slab.nslots:
+                refused.append((offset, block_bytes))
+                continue
+            mine = taken.setdefault(index, set())
+            if offset in mine:
+                refused.append((offset, block_bytes))
+                continue
+            mine.add(offset)
+        heapq.heapify(self._free_slabs)
+        for index, offsets in taken.items():
+            slab = self._slabs[index]
+            cls = self._classes[slab.block_bytes]
+            slab.free = [o for o in slab.free if o not in offsets]
+            slab.used = len(offsets)
+            cls.used += len(offsets)
+            cls.free_slots -= len(offsets)
+            self.used_bytes += len(offsets) * slab.block_bytes
+            if not slab.free:
+                cls.partial.discard(index)
+        for index in range(self.total_slabs):  # slabs assigned above but left empty go back
+            slab = self._slabs[index]
+            if slab is not None and slab.used == 0:
+                self._release_slab(self._classes[slab.block_bytes], slab)
+        return refused
+
+    def hold(self, offset: int) -> None:
+        """Marks a block as immovable (being written, or pinned by a lease)."""
+        self._slab_at(offset).holds += 1
+
+    def unhold(self, offset: int) -> None:
+        slab = self._slab_at(offset)
+        if slab.holds <= 0:
+            raise AssertionError(f"unbalanced unhold in slab {slab.index}")
+        slab.holds -= 1
+
+    def unhold_many(self, offsets: list[int]) -> None:
+        """``unhold`` of offsets this allocator handed out (not re-validated: a seal's hot path)."""
+        slabs, size = self._slabs, self.slab_bytes
+        for offset in offsets:
+            slabs[offset // size].holds -= 1
+
+    def reclaimable_slab(self, for_block_bytes: int) -> int | None:
+        """A slab of another size whose blocks may all be evicted (no holds), the emptiest first.
+
+        The engine evicts the blocks at ``used_offsets(slab)``; the last free()
+        returns the slab to the free list and the next allocate() takes it.
+        """
+        best: _Slab | None = None
+        for slab in self._slabs:
+            if slab is None or slab.holds or slab.block_bytes == for_block_bytes:
+                continue
+            if best is None or slab.used < best.used:
+                best = slab
+                if slab.used == 1:
+                    break
+        return None if best is None else best.index
+
+    def used_offsets(self, slab_index: int) -> list[int]:
+        slab = self._slabs[slab_index]
+        if slab is None:
+            return []
+        free = set(slab.free)
+        return [
+            slab.base + i * slab.stride for i in range(slab.nslots) if slab.base + i * slab.stride not in free
+        ]
+
+    def note_slab_move(self) -> None:
+        self.slab_moves += 1
+
+    def stats(self) -> AllocatorStats:
+        classes = []
+        stranded = 0
+        for cls in self._classes.values():
+            nslabs = len(cls.slabs)
+            if nslabs == 0 and cls.used == 0:
+                continue
+            free_slots = sum(len(self._slabs[i].free) for i in cls.slabs)
+            tail = self.slab_bytes - (self.slab_bytes // cls.stride) * cls.stride
+            classes.append(SizeClassStats(cls.block_bytes, nslabs, cls.used, free_slots, tail * nslabs))
+            stranded += nslabs * self.slab_bytes - cls.used * cls.block_bytes
+        return AllocatorStats(
+            capacity_bytes=self.capacity_bytes,
+            slab_bytes=self.slab_bytes,
+            total_slabs=self.total_slabs,
+            free_slabs=len(self._free_slabs),
+            used_bytes=self.used_bytes,
+            stranded_bytes=stranded,
+            unusable_bytes=self.capacity_bytes - self.total_slabs * self.slab_bytes,
+            classes=tuple(sorted(classes, key=lambda c: c.block_bytes)),
+        )
+
+    # ---------------------------------------------------------------- internals
+
+    def _slab_at(self, offset: int) -> _Slab:
+        slab = self._slabs[offset // self.slab_bytes] if 0 <= offset < self.capacity_bytes else None
+        if slab is None or (offset - slab.base) % slab.stride:
+            raise ValueError(f"offset {offset} is not an allocated slot")
+        return slab
+
+    def _partial_slab(self, cls: _SizeClass) -> _Slab | None:
+        heap = cls.partial_heap
+        while heap:
+            index = heap[0]
+            slab = self._slabs[index]
+            if index in cls.partial and slab is not None and slab.block_bytes == cls.block_bytes:
+                return slab
+            heapq.heappop(heap)  # stale entry: the slab filled up, or left this size
+        return None
+
+    def _assign_slab(self, cls: _SizeClass, index: int) -> _Slab:
+        nslots = self.slab_bytes // cls.stride
+        slab = _Slab(index, index * self.slab_bytes, cls.block_bytes, cls.stride, nslots)
+        self._slabs[index] = slab
+        cls.slabs.add(index)
+        cls.free_slots += nslots
+        self._mark_partial(cls, index)
+        return slab
+
+    @staticmethod
+    def _mark_partial(cls: _SizeClass, index: int) -> None:
+        cls.partial.add(index)
+        heapq.heappush(cls.partial_heap, index)
+        if len(cls.partial_heap) > 4 * len(cls.partial) + 64:
+            # Stale entries only leave from the top; rebuild before they pile up.
+            cls.partial_heap = sorted(cls.partial)
+
+    def _release_slab(self, cls: _SizeClass, slab: _Slab) -> None:
+        cls.free_slots -= len(slab.free)
+        self._slabs[slab.index] = None
+        cls.slabs.discard(slab.index)
+        cls.partial.discard(slab.index)
+        heapq.heappush(self._free_slabs, slab.index)

@@ -1,0 +1,140 @@
+"""SlabAllocator: many block sizes at once, slab hand-back and slab moves, no overlap ever."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pegaflow.server.config import MIB
+from pegaflow.server.tiers.dram.allocator import SLOT_ALIGN, SlabAllocator, default_slab_bytes
+
+
+def test_default_slab_size_scales_with_pool_and_is_clamped():
+    assert default_slab_bytes(64 * MIB) == 4 * MIB
+    assert default_slab_bytes(512 * MIB) == 16 * MIB
+    assert default_slab_bytes(30 << 30) == 64 * MIB
+    assert default_slab_bytes(1 << 40) == 64 * MIB
+
+
+def test_fresh_slab_hands_out_contiguous_ascending_slots():
+    alloc = SlabAllocator(32 * MIB, slab_bytes=4 * MIB)
+    offsets = [alloc.allocate(256 * 1024) for _ in range(16)]
+    assert offsets == [i * 256 * 1024 for i in range(16)]  # one slab, 16 slots, in order
+
+
+def test_a_batch_over_freed_slabs_gets_them_in_address_order_as_one_run():
+    alloc = SlabAllocator(32 * MIB, slab_bytes=4 * MIB)  # 8 slabs of 2 blocks of 2 MiB
+    offsets = alloc.allocate_many(2 * MIB, 16)
+    assert offsets == [i * 2 * MIB for i in range(16)]
+    for slab in (5, 1, 6, 2):  # emptied in scattered order
+        alloc.free(slab * 4 * MIB)
+        alloc.free(slab * 4 * MIB + 2 * MIB)
+    again = alloc.allocate_many(2 * MIB, 4)
+    assert again == [4 * MIB, 6 * MIB, 8 * MIB, 10 * MIB]  # slabs 1 and 2: adjacent, one run
+
+
+def test_sizes_get_separate_slabs_and_empty_slabs_return_to_the_pool():
+    alloc = SlabAllocator(32 * MIB, slab_bytes=4 * MIB)
+    a = alloc.allocate(256 * 1024)
+    b = alloc.allocate(1 * MIB)
+    assert a // (4 * MIB) != b // (4 * MIB)
+    assert alloc.free_slabs == 6
+    alloc.free(a)
+    assert alloc.free_slabs == 7  # the 256 KiB slab emptied and went back
+    c = alloc.allocate(2 * MIB)  # any size can take it now
+    assert c is not None and alloc.free_slabs == 6
+    assert alloc.used_bytes == 3 * MIB
+
+
+def test_full_pool_returns_none_and_reclaimable_slab_picks_the_emptiest_other_size():
+    alloc = SlabAllocator(16 * MIB, slab_bytes=4 * MIB)  # 4 slabs
+    big = [alloc.allocate(1 * MIB) for _ in range(12)]  # 3 slabs of 1 MiB blocks
+    small = [alloc.allocate(512 * 1024) for _ in range(8)]  # 1 slab of 512 KiB blocks
+    assert alloc.allocate(1 * MIB) is None and alloc.allocate(512 * 1024) is None
+    for off in big[4:7]:  # leave the second 1 MiB slab with a single block
+        alloc.free(off)
+    slab = alloc.reclaimable_slab(512 * 1024)
+    assert slab == 1
+    assert alloc.used_offsets(slab) == [big[7]]
+    alloc.hold(big[7])  # pinned: that slab must not be offered any more
+    assert alloc.reclaimable_slab(512 * 1024) in (0, 2)
+    alloc.unhold(big[7])
+    assert alloc.reclaimable_slab(1 * MIB) == 3  # for 1 MiB blocks, only the 512 KiB slab is another size
+    assert len(small) == 8
+
+
+def test_rejects_blocks_larger_than_a_slab_and_foreign_offsets():
+    alloc = SlabAllocator(16 * MIB, slab_bytes=4 * MIB)
+    with pytest.raises(ValueError):
+        alloc.allocate(4 * MIB + 1)
+    off = alloc.allocate(3000)
+    with pytest.raises(ValueError):
+        alloc.free(off + 1)
+    with pytest.raises(ValueError):
+        alloc.free(8 * MIB)  # a free slab
+
+
+def test_stats_account_for_slot_tails_and_stranded_bytes():
+    alloc = SlabAllocator(16 * MIB, slab_bytes=4 * MIB)
+    block = 3 * MIB  # one per 4 MiB slab: 1 MiB tail each
+    offs = [alloc.allocate(block) for _ in range(2)]
+    stats = alloc.stats()
+    assert stats.used_bytes == 2 * block
+    assert stats.stranded_bytes == 2 * MIB
+    (cls,) = stats.classes
+    assert cls.slabs == 2 and cls.used_blocks == 2 and cls.slot_tail_bytes == 2 * MIB
+    for off in offs:
+        alloc.free(off)
+    assert alloc.stats().stranded_bytes == 0 and alloc.free_slabs == 4
+
+
+SIZES = [4096, 100_000, 256 * 1024, 1 * MIB, 3 * MIB]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.booleans(), st.integers(0, len(SIZES) - 1), st.integers(0, 10_000)), max_size=300)
+)
+def test_random_alloc_free_never_overlaps_and_accounts_exactly(ops):
+    alloc = SlabAllocator(24 * MIB, slab_bytes=4 * MIB)
+    live: dict[int, int] = {}
+    for is_alloc, size_idx, pick in ops:
+        if is_alloc or not live:
+            size = SIZES[size_idx]
+            off = alloc.allocate(size)
+            if off is None:
+                continue
+            assert off % SLOT_ALIGN == 0
+            assert off // alloc.slab_bytes == (off + size - 1) // alloc.slab_bytes  # never straddles slabs
+            live[off] = size
+        else:
+            off = sorted(live)[pick % len(live)]
+            alloc.free(off)
+            del live[off]
+        spans = sorted((o, o + s) for o, s in live.items())
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:], strict=False))
+        assert alloc.used_bytes == sum(live.values())
+    for off in list(live):
+        alloc.free(off)
+    assert alloc.free_slabs == alloc.total_slabs and alloc.used_bytes == 0
+
+
+def test_restore_readopts_slots_and_the_allocator_carries_on_around_them():
+    a = SlabAllocator(8 * 4 * MIB, 4 * MIB, slot_align=4096)
+    first = a.allocate_many(256 * 1024, 20)
+    big = a.allocate_many(2 * MIB, 3)
+    keep = [(o, 256 * 1024) for o in first[::2]] + [(big[1], 2 * MIB)]
+    b = SlabAllocator(8 * 4 * MIB, 4 * MIB, slot_align=4096)
+    assert b.restore(keep + [(first[0], 256 * 1024), (first[1] + 8, 256 * 1024)]) == [
+        (first[0], 256 * 1024),  # twice
+        (first[1] + 8, 256 * 1024),  # not a slot boundary
+    ]
+    assert b.used_bytes == 10 * 256 * 1024 + 2 * MIB
+    fresh = b.allocate_many(256 * 1024, 40)
+    assert not set(fresh) & {o for o, _ in keep}  # never hands out a restored slot
+    for offset, _ in keep:
+        b.free(offset)
+    for offset in fresh:
+        b.free(offset)
+    assert b.used_bytes == 0 and b.free_slabs == b.total_slabs
