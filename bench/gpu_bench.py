@@ -242,8 +242,8 @@ def _wait_for(path: str, timeout_s: float = 300.0) -> None:
 # A mode's variant (``--modes auto+cupy``) overrides GpuOptions fields in the server under test.
 VARIANTS = {
     "cupy": {"driver_calls": False},
-    "nosi": {"switch_interval_s": None},
-    "nogc": {"gc_freeze": False},
+    "nosi": {"runtime": {"SWITCH_INTERVAL_S": 1.0}},  # 1 s: never lowered, CPython's 5 ms stays
+    "nogc": {"runtime": {"GC_FREEZE": False}},
 }
 _SERVER_BOOT = (
     "import functools, json, logging, sys\n"
@@ -251,6 +251,8 @@ _SERVER_BOOT = (
     "del sys.argv[1:4]\n"
     "if interval > 0: sys.setswitchinterval(interval)\n"
     "if timing == '1': logging.getLogger('pegaflow.server.gpu.timing').setLevel(logging.DEBUG)\n"
+    "from pegaflow.server import runtime\n"
+    "for name, value in options.pop('runtime', {}).items(): setattr(runtime, name, value)\n"
     "if options:\n"
     "    from pegaflow.server.gpu import service\n"
     "    service.GpuOptions = functools.partial(service.GpuOptions, **options)\n"

@@ -44,6 +44,8 @@ import time
 
 import numpy as np
 
+from pegaflow.server.tiers.base import io_bytes
+
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 MIB, GIB = 1 << 20, 1 << 30
@@ -57,6 +59,19 @@ BATCH = 32  # requests per write()/read() call, as the tier mover would batch
 def _aligned(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
     m = mmap.mmap(-1, nbytes)
     return m, np.frombuffer(m, dtype=np.uint8)
+
+
+def _source(blocks: int, bs: int) -> tuple[mmap.mmap, np.ndarray]:
+    """``blocks`` blocks of data no two 4 KiB pages of which are equal (the virtual disk may
+    treat repeated content differently: fio scrambles its buffers for the same reason)."""
+    m, a = _aligned(blocks * io_bytes(bs))
+    base = np.random.default_rng(blocks).integers(0, 256, min(a.size, 128 * MIB), dtype=np.uint8)
+    for off in range(0, a.size, base.size):
+        n = min(base.size, a.size - off)
+        a[off : off + n] = base[:n]
+    pages = a.view(np.uint64)[:: 4096 // 8]
+    pages[:] = np.arange(pages.size, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    return m, a
 
 
 def _cpu() -> float:
@@ -116,8 +131,11 @@ class TierRunner:
             statuses += fut.result(120)
         return statuses
 
-    def run(self, bs: int, gib: float, src, dst, slots: int) -> dict:
-        from pegaflow.server.tiers.base import IoStatus, ReadRequest, WriteRequest, io_bytes
+    def run(self, bs: int, gib: float, src, dst, window: int) -> dict:
+        """Writes ``gib`` of blocks from ``src`` (one distinct slot per block, like fio's own
+        always-different buffers), then reads them back into ``dst`` (``window`` slots: at most
+        ``window`` requests outstanding, so no two in-flight reads share a slot)."""
+        from pegaflow.server.tiers.base import IoStatus, ReadRequest, WriteRequest
 
         tier = self.tier
         n = int(gib * GIB) // bs
@@ -130,19 +148,18 @@ class TierRunner:
         stride = io_bytes(bs)
         sv, dv = memoryview(src[0]), memoryview(dst[0])
         tags = [b"bench/%d" % i for i in range(n)]
-        # Slot i % slots; at most `slots` requests outstanding, so no two in-flight reads share a slot.
         w = [
-            WriteRequest(e, t, sv[(i % slots) * stride : (i % slots + 1) * stride])
+            WriteRequest(e, t, sv[i * stride : (i + 1) * stride])
             for i, (e, t) in enumerate(zip(extents, tags, strict=True))
         ]
         r = [
-            ReadRequest(e, t, dv[(i % slots) * stride : (i % slots + 1) * stride])
+            ReadRequest(e, t, dv[(i % window) * stride : (i % window + 1) * stride])
             for i, (e, t) in enumerate(zip(extents, tags, strict=True))
         ]
         out = {}
         for name, fn, reqs in (("write", tier.write, w), ("read", tier.read, r)):
             c0, t0 = _cpu(), time.perf_counter()
-            statuses = self._drive(fn, reqs, slots)
+            statuses = self._drive(fn, reqs, window)
             seconds = time.perf_counter() - t0
             cpu = _cpu() - c0
             bad = [s for s in statuses if s != IoStatus.OK]
@@ -171,7 +188,7 @@ def _summary(values: list[float]) -> dict:
 def throughput(
     folder: pathlib.Path, block_sizes: list[int], gib: float, runs: int, qd: int, segment: int
 ) -> dict:
-    slots = 4 * qd
+    window = 4 * qd
     capacity = int(gib * GIB * 1.1) + 4 * segment
     runners = {e: TierRunner(folder / e, e, capacity, qd, segment) for e in ENGINES}
     fio_file = folder / "fio" / "fio.data"
@@ -179,9 +196,8 @@ def throughput(
     results: dict = {}
     try:
         for bs in block_sizes:
-            src = _aligned(slots * bs)
-            dst = _aligned(slots * bs)
-            src[1][:] = np.random.default_rng(bs).integers(0, 256, src[1].size, dtype=np.uint8)
+            src = _source(int(gib * GIB) // bs, bs)
+            dst = _aligned(window * bs)
             rows: dict = {"fio": [], **{e: [] for e in ENGINES}}
             methods = ["fio", *ENGINES]
             for r in range(runs + 1):  # run 0 is the warm-up
@@ -193,7 +209,7 @@ def throughput(
                             "read": _fio(fio_file, "read", bs, gib, qd),
                         }
                     else:
-                        row = runners[m].run(bs, gib, src, dst, slots)
+                        row = runners[m].run(bs, gib, src, dst, window)
                     if r:
                         rows[m].append(row)
                     print(
@@ -230,15 +246,15 @@ def throughput(
 
 def segment_sweep(folder: pathlib.Path, sizes: list[int], gib: float, qd: int, engine: str) -> dict:
     """Write and read GB/s of the tier vs segment size (one run each; 2 MiB blocks)."""
-    bs, slots = 2 * MIB, 4 * qd
-    src, dst = _aligned(slots * bs), _aligned(slots * bs)
+    bs, window = 2 * MIB, 4 * qd
+    src, dst = _source(int(gib * GIB) // bs, bs), _aligned(window * bs)
     out = {}
     for seg in sizes:
         sub = folder / f"seg{seg >> 20}"
         runner = TierRunner(sub, engine, int(gib * GIB * 1.1) + 4 * seg, qd, seg)
         try:
-            runner.run(bs, gib, src, dst, slots)  # warm-up
-            row = runner.run(bs, gib, src, dst, slots)
+            runner.run(bs, gib, src, dst, window)  # warm-up
+            row = runner.run(bs, gib, src, dst, window)
         finally:
             runner.close()
         shutil.rmtree(sub, ignore_errors=True)
@@ -265,7 +281,7 @@ def fio_queue_depths(folder: pathlib.Path, depths: list[int], gib: float) -> dic
 
 def _role_writer(folder: str, capacity: int, gib: float, segment: int, engine: str) -> None:
     """Fills the tier FIFO (oldest freed first), waits for the summaries, says READY, hangs."""
-    from pegaflow.server.tiers.base import IoStatus, WriteRequest, io_bytes
+    from pegaflow.server.tiers.base import IoStatus, WriteRequest
     from pegaflow.server.tiers.ssd import SsdTier, SsdTierOptions
 
     tier = SsdTier(
@@ -425,6 +441,8 @@ def main() -> int:
     ap.add_argument("--recovery-gib", type=float, default=10.0)
     ap.add_argument("--recovery-runs", type=int, default=3)
     ap.add_argument("--sweep-mib", default="32,128,512", help="segment sizes of the sweep ('' to skip)")
+    ap.add_argument("--tmpfs-dir", default="/dev/shm", help="also compare on tmpfs ('' to skip)")
+    ap.add_argument("--tmpfs-gib", type=float, default=0.5)
     ap.add_argument("--qd-sweep", default="4,8,16,32,64", help="fio queue depths to sweep ('' to skip)")
     ap.add_argument("--quick", action="store_true", help="0.5 GiB passes, 2 runs, 2 GiB recovery")
     ap.add_argument("--wait-quiet", type=float, default=0.0, help="wait up to this many s for load < 2")
@@ -441,7 +459,7 @@ def main() -> int:
         _role_recover(f, int(cap), int(seg), verify, eng)
         return 0
     if a.quick:
-        a.gib, a.runs, a.recovery_gib, a.recovery_runs = 0.5, 2, 2.0, 2
+        a.gib, a.runs, a.recovery_gib, a.recovery_runs, a.tmpfs_gib = 0.5, 2, 2.0, 2, 0.25
     if shutil.which("fio") is None:
         raise SystemExit("fio is not installed (apt-get install fio)")
 
@@ -480,6 +498,21 @@ def main() -> int:
         faster = _faster_engine(results["throughput"])
         results["faster_engine"] = faster
         results["auto_engine_in_code"] = AUTO_PREFERENCE
+        if a.tmpfs_dir:
+            # The same comparison on memory (tmpfs takes O_DIRECT here): no disk to hide behind,
+            # so this shows what the tier's own work (headers, checksums, Python) costs.
+            mem = pathlib.Path(a.tmpfs_dir) / f"pegaflow-ssd-bench-{os.getpid()}"
+            mem.mkdir(parents=True)
+            try:
+                with LoadSampler(2.0) as load:
+                    print(f"throughput on tmpfs ({a.tmpfs_dir}) ...", flush=True)
+                    results["tmpfs_throughput"] = throughput(
+                        mem, [2 * MIB], a.tmpfs_gib, max(3, a.runs // 2), a.queue_depth, seg
+                    )
+                results["tmpfs_throughput"]["load"] = load.summary()
+                results["tmpfs_throughput"]["file_system"] = _fs_of(mem)
+            finally:
+                shutil.rmtree(mem, ignore_errors=True)
         if a.sweep_mib:
             with LoadSampler(2.0) as load:
                 print("segment size sweep ...", flush=True)
@@ -536,6 +569,13 @@ def _targets(r: dict) -> dict:
                     "target": 0.9,
                     "met": rt["of_medians"] >= 0.9,
                 }
+    for key, by in r.get("tmpfs_throughput", {}).items():
+        if key in ("load", "file_system"):
+            continue
+        for e in ENGINES:
+            for side in ("write", "read"):
+                rt = by[e][side]["ratio_to_fio"]
+                out[f"tmpfs: {e} {side} {key} / fio"] = {"median_ratio": round(rt["of_medians"], 3)}
     crash = r["recovery"]["crash"]["summary"]
     out["recovery s per 10 GiB (kill -9, default verify)"] = {
         "median": round(crash["s_per_10gib_median"], 3),

@@ -68,7 +68,7 @@ ALL_SYSTEMS = ("asyncio", "uvloop", "zmq", "ours", "ours-5ms", "ours-noinsights"
 # lowers it to 0.2 ms by default); "ours-noinsights" switches the metrics feeder's miss-ratio curve and
 # savings off (what that background work costs the request threads).
 OURS_VARIANTS = {
-    "ours-5ms": {"gpu_options": {"switch_interval_s": None}},
+    "ours-5ms": {"runtime": {"SWITCH_INTERVAL_S": 1.0}},  # never lowered: CPython's 5 ms stays
     "ours-noinsights": {"no_insights": True},
 }
 
@@ -768,6 +768,8 @@ def run_ours(args, out: pathlib.Path, system: str = "ours", switch_interval: flo
     boot = (
         "import functools, json, sys\n"
         "interval, v = float(sys.argv[1]), json.loads(sys.argv[2]); del sys.argv[1:3]\n"
+        "from pegaflow.server import runtime\n"
+        "for name, value in v.get('runtime', {}).items(): setattr(runtime, name, value)\n"
         "if v.get('gpu_options'):\n"
         "    from pegaflow.server.gpu import service\n"
         "    service.GpuOptions = functools.partial(service.GpuOptions, **v['gpu_options'])\n"

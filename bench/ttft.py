@@ -215,6 +215,26 @@ def client_command(
     return cmd
 
 
+def cpu_by_process(pid: int) -> dict[str, float]:
+    """CPU seconds so far of each process of an engine's tree, by name (API server, EngineCore,
+    Worker): where a pass's CPU went."""
+    import psutil
+
+    out: dict[str, float] = {}
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return out
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            name = p.name()
+            name = "APIServer" if p.pid == pid else name.replace("VLLM::", "")
+            t = p.cpu_times()
+            out[name] = out.get(name, 0.0) + t.user + t.system
+    return out
+
+
 def busy_cores(window_s: float) -> float:
     """Cores the whole machine kept busy over the next `window_s` seconds."""
     b0 = machine_busy_cpu_seconds()
@@ -272,6 +292,7 @@ def run_pass(
     # CPU of this engine's process tree and of pegaflow-server during the pass: on 2 cores the
     # extra CPU a connector spends per request is what the API server's queue waits for
     engine0 = tree_cpu_seconds(srv.proc.pid) if srv.proc else 0.0
+    procs0 = cpu_by_process(srv.proc.pid) if srv.proc else {}
     pega0 = tree_cpu_seconds(server_pid) if server_pid else 0.0
     load_avg = os.getloadavg()[0]
     t0 = time.monotonic()
@@ -293,6 +314,8 @@ def run_pass(
     after = metric_snapshot(srv)
     ours = sum(tree_cpu_seconds(p) for p in our_pids) - ours0 + client_cpu
     engine_cpu = (tree_cpu_seconds(srv.proc.pid) if srv.proc else 0.0) - engine0
+    procs1 = cpu_by_process(srv.proc.pid) if srv.proc else {}
+    engine_cpu_by_process = {k: round(v - procs0.get(k, 0.0), 3) for k, v in procs1.items()}
     pega_cpu = (tree_cpu_seconds(server_pid) if server_pid else 0.0) - pega0
     foreign = max(0.0, (machine_busy_cpu_seconds() - busy0) - ours) / wall
     res = json.loads((rdir / fname).read_text())
@@ -322,6 +345,7 @@ def run_pass(
         "t_window": [t0, t0 + wall],
         "load_avg_1m_at_start": load_avg,
         "engine_cpu_s": engine_cpu,
+        "engine_cpu_s_by_process": engine_cpu_by_process,
         "pegaflow_server_cpu_s": pega_cpu if engine in ("pega", "base") else 0.0,
         "foreign_cores": foreign,
     }
@@ -670,7 +694,8 @@ def _print_pass(rec: Mapping) -> None:
         f"{rec['mean_ttft_ms']:8.1f} ms  P99 {rec['p99_ttft_ms']:8.1f} ms  "
         f"{rec['hit_source']} {int(rec['hit_tokens'])} / loadable {rec['loadable_tokens']}  "
         f"{'ok' if rec['hit_ok'] else 'HIT PROOF FAILED'}  others used {rec['foreign_cores']:.2f} cores  "
-        f"cpu: engine {rec['engine_cpu_s']:.2f} s server {rec['pegaflow_server_cpu_s']:.2f} s  "
+        f"cpu: engine {rec['engine_cpu_s']:.2f} s {rec['engine_cpu_s_by_process']} "
+        f"server {rec['pegaflow_server_cpu_s']:.2f} s  "
         f"server: queue {_ms(rec['server_side']['request_queue_time_mean_ms'])} "
         f"prefill {_ms(rec['server_side']['request_prefill_time_mean_ms'])} "
         f"ttft {_ms(rec['server_side']['time_to_first_token_mean_ms'])}"

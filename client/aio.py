@@ -27,7 +27,7 @@ from pegaflow.client.types import InstanceHandle, KvLayout, Location, PrefixHit,
 
 class AsyncPegaClient:
     def __init__(self, *args, **kwargs):
-        """Arguments as ``PegaClient``'s (address, timeout_s, name, map_pool, backoff, local_rpc)."""
+        """Arguments as ``PegaClient``'s (address, timeout_s, name, map_pool, backoff, auth, local_rpc)."""
         self.sync = PegaClient(*args, **kwargs)
 
     # ------------------------------------------------------------- state (no I/O)

@@ -22,6 +22,7 @@ from pegaflow.client import rpc_codec as codec
 from pegaflow.client.backoff import Backoff
 from pegaflow.client.pool_map import PoolMapping
 from pegaflow.client.types import InstanceHandle, KvLayout, QueryPurpose, ServerLimits
+from pegaflow.common.auth import AuthConfigError, ClientAuth
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
 
@@ -72,14 +73,24 @@ class ClientBase:
         name: str = "pegaflow-client",
         map_pool: bool = True,
         backoff: Backoff | None = None,
+        auth: ClientAuth | None = None,
     ):
         """``map_pool=False`` skips fd passing (a remote or metadata-only client: no pool_view).
 
         Otherwise the pool fd is received at connect (its connection is the session's liveness
         signal) and the pool is mapped on the first ``pool_view``.
+
+        ``auth``: the token / TLS a server started with --auth-token-file / --tls-* asks for
+        (``pegaflow.common.auth.ClientAuth``); None reads them from the environment
+        (PEGAFLOW_AUTH_TOKEN or PEGAFLOW_AUTH_TOKEN_FILE, PEGAFLOW_TLS_CA, PEGAFLOW_TLS_CERT +
+        PEGAFLOW_TLS_KEY, PEGAFLOW_TLS_SERVER_NAME): none set, plaintext and no token, as before.
+        ``ClientAuth()`` ignores the environment. A refused token is ``ServerError``
+        (UNAUTHENTICATED); a refused TLS handshake looks like an unreachable server.
+        The local sockets (pool fd, local RPC) carry no token: their file permissions gate them.
         """
         if timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
+        self.auth = ClientAuth.from_env() if auth is None else auth  # AuthConfigError: a bad combination
         self.address = address
         self.timeout_s = timeout_s
         self.name = name
@@ -151,6 +162,14 @@ class ClientBase:
 
     def _timeout(self, timeout_s: float | None) -> float:
         return timeout_s or self.timeout_s
+
+    def _new_channel(self) -> grpc.Channel:
+        """A channel to the server with the client's credentials (files read now, so a renewed
+        certificate or token file is used from the next reconnect on)."""
+        try:
+            return self.auth.channel(self.address, codec.CHANNEL_OPTIONS)
+        except AuthConfigError as exc:
+            raise errors.PegaflowError(f"pegaflow client credentials: {exc}") from None
 
     def _require(self) -> Connection:
         conn = self._conn

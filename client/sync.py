@@ -386,7 +386,7 @@ class PegaClient(ClientBase):
         try:
             if self._conn is not None or self._closed:
                 return
-            channel = grpc.insecure_channel(self.address, options=codec.CHANNEL_OPTIONS)
+            channel = self._new_channel()
             conn = None
             try:
                 stub = pb_grpc.EngineStub(channel)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent import futures
 
 import grpc
@@ -11,11 +12,17 @@ from pegaflow.common.addresses import format_host_port
 
 
 def new_grpc_server(
-    workers: int, thread_name_prefix: str, max_message_bytes: int, max_concurrent_rpcs: int | None = None
+    workers: int,
+    thread_name_prefix: str,
+    max_message_bytes: int,
+    max_concurrent_rpcs: int | None = None,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
 ) -> grpc.Server:
-    """``max_concurrent_rpcs``: calls beyond it are refused (RESOURCE_EXHAUSTED) instead of queued."""
+    """``max_concurrent_rpcs``: calls beyond it are refused (RESOURCE_EXHAUSTED) instead of queued.
+    ``interceptors``: run before every handler (common/auth.py's token check)."""
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=thread_name_prefix),
+        interceptors=list(interceptors) or None,
         maximum_concurrent_rpcs=max_concurrent_rpcs,
         options=[
             # grpc enables SO_REUSEPORT by default: a second server on the same port would
@@ -27,11 +34,17 @@ def new_grpc_server(
     )
 
 
-def listen(server: grpc.Server, addr: str, host: str) -> str:
+def listen(
+    server: grpc.Server, addr: str, host: str, credentials: grpc.ServerCredentials | None = None
+) -> str:
     """Binds ``addr`` (``host`` is its host, parsed by the caller); returns the address with the
-    port actually bound (port 0 picks a free one). Raises OSError when it cannot bind."""
+    port actually bound (port 0 picks a free one). Raises OSError when it cannot bind.
+    ``credentials``: TLS (common/auth.py's ``ServerSecurity.credentials``); None: plaintext."""
     try:
-        port = server.add_insecure_port(addr)
+        if credentials is None:
+            port = server.add_insecure_port(addr)
+        else:
+            port = server.add_secure_port(addr, credentials)
     except RuntimeError as exc:  # grpc raises rather than returning 0 on some failed binds
         raise OSError(f"cannot listen for gRPC on {addr}: {exc}") from exc
     if port == 0:

@@ -32,6 +32,17 @@ Every key is optional:
   embedded_addr          gRPC address of the embedded server (default "127.0.0.1:0": a
                          free port); set it to query the embedded engine's GetStats.
   embedded_http_addr     /metrics and /health of the embedded server (default: none).
+  auth_token_file        a file whose first line is the token a server started with
+                         --auth-token-file asks for (default: PEGAFLOW_AUTH_TOKEN_FILE, or
+                         the token itself in PEGAFLOW_AUTH_TOKEN). Never the token itself in
+                         this config: it is on vLLM's command line, which ps shows.
+  tls_ca_file            speak TLS to the server, verifying it against this PEM CA (default:
+                         PEGAFLOW_TLS_CA; unset: plaintext).
+  tls_cert_file, tls_key_file
+                         this engine's client certificate and key, for a server started with
+                         --tls-client-ca (defaults: PEGAFLOW_TLS_CERT, PEGAFLOW_TLS_KEY).
+  tls_server_name        the name to check in the server's certificate when it differs from
+                         the host dialled (default: PEGAFLOW_TLS_SERVER_NAME).
   honor_kv_load_failure_policy
                          false (default): the connector sets vLLM's kv_load_failure_policy
                          to "recompute", so a failed load is recomputed, never a failed
@@ -46,6 +57,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from pegaflow.common.auth import AuthConfigError, ClientAuth
 from pegaflow.connector.mla import parse_store_mode
 
 DEFAULT_HOST = "http://127.0.0.1"
@@ -67,6 +79,9 @@ class ConnectorConfig:
     embedded_pool_size: int | None = None
     embedded_addr: str = "127.0.0.1:0"
     embedded_http_addr: str | None = None
+    # The credentials of every process's client (common/auth.py): the keys above over the
+    # PEGAFLOW_AUTH_* / PEGAFLOW_TLS_* environment; empty: plaintext and no token, as before.
+    auth: ClientAuth = ClientAuth()
 
     @property
     def embedded(self) -> bool:
@@ -85,6 +100,14 @@ _MS_KEYS = {
     "load_timeout_ms": "load_timeout_s",
     "rpc_timeout_ms": "rpc_timeout_s",
 }
+# key -> the ClientAuth field (common/auth.py) it sets
+_AUTH_KEYS = {
+    "auth_token_file": "token_file",
+    "tls_ca_file": "tls_ca_file",
+    "tls_cert_file": "tls_cert_file",
+    "tls_key_file": "tls_key_file",
+    "tls_server_name": "tls_server_name",
+}
 _KNOWN_KEYS = frozenset(
     {
         "server_addr",
@@ -98,6 +121,7 @@ _KNOWN_KEYS = frozenset(
         "embedded_pool_size",
         "embedded_addr",
         "embedded_http_addr",
+        *_AUTH_KEYS,
     }
 )
 
@@ -189,6 +213,12 @@ def load_config(extra: Mapping[str, Any] | None, env: Mapping[str, str] | None =
     """Validate kv_connector_extra_config; unknown keys are an error (a typo would otherwise
     silently fall back to a default)."""
     extra = dict(extra or {})
+    if "auth_token" in extra:
+        raise ValueError(
+            "kv_connector_extra_config['auth_token']: a token does not belong in this config (it is on "
+            "vLLM's command line, which ps shows to every local user): put it in a file named by "
+            "'auth_token_file' or PEGAFLOW_AUTH_TOKEN_FILE, or in PEGAFLOW_AUTH_TOKEN"
+        )
     unknown = sorted(set(extra) - _KNOWN_KEYS)
     if unknown:
         raise ValueError(
@@ -238,4 +268,22 @@ def load_config(extra: Mapping[str, Any] | None, env: Mapping[str, str] | None =
         )
     if "mla_store" in extra:
         kwargs["mla_store"] = parse_store_mode(extra["mla_store"])
+    kwargs["auth"] = _auth(extra, env)
     return ConnectorConfig(**kwargs)
+
+
+def _auth(extra: Mapping[str, Any], env: Mapping[str, str] | None) -> ClientAuth:
+    """The credentials: the config's keys over the environment's PEGAFLOW_AUTH_* / PEGAFLOW_TLS_*."""
+    given = {}
+    for key, field in _AUTH_KEYS.items():
+        if key in extra:
+            value = extra[key]
+            if not isinstance(value, str) or not value:
+                raise ValueError(
+                    f"kv_connector_extra_config[{key!r}] must be a non-empty string, got {value!r}"
+                )
+            given[field] = value
+    try:
+        return ClientAuth.from_env(env, **given)
+    except AuthConfigError as exc:
+        raise ValueError(f"kv_connector_extra_config / PEGAFLOW_AUTH_*, PEGAFLOW_TLS_*: {exc}") from None

@@ -188,6 +188,7 @@ class PegaKVConnector(KVConnectorBase_V1):
             retry_interval_s=self._cfg.retry_interval_s,
             probe_timeout_s=self._cfg.lookup_timeout_s,
             map_pool=False,  # lookups only: the bytes move in the workers
+            auth=self._cfg.auth,
         )
         self._link.start()
         self._scheduler.set_lookup(

@@ -46,15 +46,19 @@ class ServerLink:
         retry_interval_s: float,
         probe_timeout_s: float | None = None,
         map_pool: bool = True,
+        auth: Any = None,
     ):
         """addr: "host:port", or a function that returns it once known (embedded mode).
         probe_timeout_s: how fast the server must answer a probe to be used again: the
         deadline of this process's calls on the engine step's path (a server slower than
         that would only trip the breaker again). Default rpc_timeout_s.
-        map_pool: False for a process that only looks up (the scheduler): no pool mapping."""
+        map_pool: False for a process that only looks up (the scheduler): no pool mapping.
+        auth: the client's credentials (a common.auth.ClientAuth, ConnectorConfig.auth); None:
+        the client reads PEGAFLOW_AUTH_* / PEGAFLOW_TLS_* itself."""
         self._resolve = addr if callable(addr) else (lambda: addr)
         self.addr = addr if isinstance(addr, str) else "<embedded>"
         self._map_pool = map_pool
+        self._auth = auth
         self._layouts = list(layouts)
         self._client_name = client_name
         self._instance_name = instance_name
@@ -143,13 +147,24 @@ class ServerLink:
         from pegaflow.client import PegaClient, errors
 
         client = PegaClient(
-            self.addr, timeout_s=self._rpc_timeout_s, name=self._client_name, map_pool=self._map_pool
+            self.addr,
+            timeout_s=self._rpc_timeout_s,
+            name=self._client_name,
+            map_pool=self._map_pool,
+            auth=self._auth,
         )
         try:
             client.connect()
         except errors.ServerUnavailable as exc:
             log.info(
                 "pegaflow-server at %s not reachable yet (%s); serving without the cache until it is",
+                self.addr,
+                _short(exc),
+            )
+        except errors.PegaflowError as exc:  # refused credentials (UNAUTHENTICATED), unusable files
+            log.error(
+                "pegaflow-server at %s refuses this engine (%s); serving without the cache, retrying in "
+                "the background",
                 self.addr,
                 _short(exc),
             )

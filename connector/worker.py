@@ -317,6 +317,7 @@ class WorkerConnector:
             rpc_timeout_s=self.cfg.rpc_timeout_s,
             retry_interval_s=self.cfg.retry_interval_s,
             probe_timeout_s=self.cfg.load_timeout_s,
+            auth=self.cfg.auth,
         )
         self.link.start()
 

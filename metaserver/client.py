@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
+from pegaflow.common.auth import ClientAuth
+from pegaflow.common.auth import channel as auth_channel
 from pegaflow.metaserver import errors
 from pegaflow.metaserver import validation as check
 from pegaflow.metaserver.types import (
@@ -88,9 +90,16 @@ def _trailing(exc: grpc.RpcError) -> dict[str, str]:
         return {}
 
 
+class Unauthenticated(errors.ServerError):
+    """The metaserver refused this client's credentials (UNAUTHENTICATED): a missing or wrong token.
+    (A TLS refusal happens in the handshake: MetaServerUnavailable.)"""
+
+
 def _translate(exc: grpc.RpcError) -> errors.MetaServerError:
     code = exc.code() if hasattr(exc, "code") else None
     detail = exc.details() if hasattr(exc, "details") else str(exc)
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return Unauthenticated(f"UNAUTHENTICATED: {detail}")
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         meta = _trailing(exc)
         term = meta.get(LEADER_TERM_KEY, "0")
@@ -113,13 +122,18 @@ def _translate(exc: grpc.RpcError) -> errors.MetaServerError:
 class MetaClient:
     """Thread-safe client of one metaserver. Every call sends a deadline."""
 
-    def __init__(self, addr: str, timeout_s: float = 2.0) -> None:
+    def __init__(self, addr: str, timeout_s: float = 2.0, auth: ClientAuth | None = None) -> None:
+        """``auth``: the token / TLS the metaserver asks for (common/auth.py); None: plaintext, no
+        token (the environment is not read: a node passes what its flags say). A metaserver that
+        refuses it answers UNAUTHENTICATED (``errors.ServerError``); AuthConfigError for a credential
+        file that cannot be used."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.addr = _target(addr)
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(
+        self._channel = auth_channel(
             self.addr,
+            auth=auth,
             options=[
                 ("grpc.max_receive_message_length", check.MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", check.MAX_MESSAGE_BYTES),

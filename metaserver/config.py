@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from pegaflow.common.auth import ServerAuth
+
 
 def parse_host_port(text: str) -> tuple[str, int]:
     """``host:port`` (``[v6]:port``; ``:port`` = every interface) -> (host, port); port 0 = a free port."""
@@ -40,6 +42,16 @@ class MetaServerConfig:
     # What standbys and etcd name as this replica's address; "" = the address bound (a
     # wildcard host is replaced by this host's name).
     advertise_addr: str = ""
+    # Who may call (common/auth.py); all None: plaintext, no check, as before. Health stays open.
+    auth_token_file: str | None = None  # tokens accepted (one per line), re-read when it changes
+    tls_cert_file: str | None = None  # TLS, with tls_key_file
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None  # mutual TLS: callers need a certificate this CA signed
+
+    def auth(self) -> ServerAuth:
+        return ServerAuth(
+            self.auth_token_file, self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file
+        )
 
     def validate(self) -> None:
         parse_host_port(self.addr)
@@ -62,3 +74,4 @@ class MetaServerConfig:
             parse_host_port(self.advertise_addr)
         if self.grpc_workers < 1 or self.max_concurrent_rpcs < 1:
             raise ValueError("grpc_workers and max_concurrent_rpcs must be at least 1")
+        self.auth().check()

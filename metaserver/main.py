@@ -142,6 +142,35 @@ def build_parser() -> argparse.ArgumentParser:
         help="the address nodes are redirected to when this replica leads (default: the address bound, a "
         "wildcard host replaced by this host's name)",
     )
+    access = p.add_argument_group(
+        "remote access",
+        "who may call --addr (common/auth.py). None of them: plaintext gRPC open to whoever reaches --addr "
+        "(every interface by default: nodes on other hosts call it); a warning at start says so. Nodes "
+        "present theirs with pegaflow-server --metaserver-auth-token-file / --metaserver-tls-ca",
+    )
+    access.add_argument(
+        "--auth-token-file",
+        default=None,
+        metavar="PATH",
+        help="require one of this file's tokens (one per line, >= 16 printable characters, e.g. openssl "
+        "rand -hex 32) as 'authorization: Bearer <token>' on every call but health checks; others get "
+        "UNAUTHENTICATED. Re-read when it changes. Never a token on the command line: ps shows it",
+    )
+    access.add_argument(
+        "--tls-cert",
+        default=None,
+        metavar="PATH",
+        help="serve gRPC over TLS with this PEM certificate (chain), with --tls-key; it must name the "
+        "address nodes dial (and, with replicas, every --advertise-addr)",
+    )
+    access.add_argument("--tls-key", default=None, metavar="PATH", help="the PEM private key of --tls-cert")
+    access.add_argument(
+        "--tls-client-ca",
+        default=None,
+        metavar="PATH",
+        help="mutual TLS: accept only callers with a certificate this PEM CA signed (checked in the TLS "
+        "handshake, health probes included)",
+    )
     add_log_level_flag(p)
     return p
 
@@ -160,6 +189,10 @@ def config_from_args(args: argparse.Namespace) -> MetaServerConfig:
         etcd_prefix=args.etcd_prefix,
         leader_ttl_s=args.leader_ttl,
         advertise_addr=args.advertise_addr or "",
+        auth_token_file=args.auth_token_file,
+        tls_cert_file=args.tls_cert,
+        tls_key_file=args.tls_key,
+        tls_client_ca_file=args.tls_client_ca,
     )
 
 

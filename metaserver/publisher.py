@@ -77,9 +77,10 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
+from pegaflow.common.auth import AuthConfigError, ClientAuth
 from pegaflow.metaserver import errors
 from pegaflow.metaserver import validation as check
-from pegaflow.metaserver.client import MetaClient
+from pegaflow.metaserver.client import MetaClient, Unauthenticated
 from pegaflow.metaserver.types import NamespaceDelta, NodeHit, PublishOutcome
 
 log = logging.getLogger(__name__)
@@ -178,8 +179,12 @@ class _Session:
 class _LeaderFinder:
     """Finds the serving leader among the targets: (client, address, term) or None."""
 
-    def __init__(self, targets: MetaServerTargets, rpc_timeout_s: float) -> None:
+    def __init__(
+        self, targets: MetaServerTargets, rpc_timeout_s: float, auth: ClientAuth | None = None
+    ) -> None:
         self.targets = targets
+        self.auth = auth
+        self._refused: set[str] = set()  # replicas that refused our credentials (warned once)
         # GetLeader is answered from memory: a replica slower than this is as good as absent.
         self.rpc_timeout_s = rpc_timeout_s
         self._clients: dict[str, MetaClient] = {}
@@ -187,7 +192,9 @@ class _LeaderFinder:
     def client(self, address: str) -> MetaClient:
         client = self._clients.get(address)
         if client is None:
-            client = self._clients[address] = MetaClient(address, timeout_s=self.rpc_timeout_s)
+            client = self._clients[address] = MetaClient(
+                address, timeout_s=self.rpc_timeout_s, auth=self.auth
+            )
         return client
 
     def close(self) -> None:
@@ -198,9 +205,18 @@ class _LeaderFinder:
     def _ask(self, address: str) -> tuple[MetaClient, str, int] | None:
         try:
             info = self.client(address).get_leader()
+        except (Unauthenticated, AuthConfigError) as exc:
+            # Nothing will change until an operator fixes a token or a file: say so, once per address.
+            if address not in self._refused:
+                self._refused.add(address)
+                log.warning("metaserver: %s refuses this node's credentials: %s", address, exc)
+            return None
         except errors.MetaServerError as exc:
             log.debug("metaserver: %s did not say who leads: %s", address, exc)
             return None
+        if address in self._refused:
+            self._refused.discard(address)
+            log.info("metaserver: %s accepts this node's credentials again", address)
         if info.is_leader:
             return self.client(address), address, info.term
         if info.leader_address and info.leader_address != address:
@@ -266,7 +282,9 @@ class BlockPublisher:
         batch_keys: int = check.MAX_KEYS_PER_CALL,
         resync_interval_s: float = 30.0,
         retry_backoff_s: tuple[float, float] = (0.05, 0.25),
+        auth: ClientAuth | None = None,
     ) -> None:
+        """``auth``: what the node presents to every metaserver replica (token, TLS; common/auth.py)."""
         check.node_id(node_id)
         check.address(address)
         if not targets.addresses and not targets.etcd_endpoints:
@@ -279,7 +297,7 @@ class BlockPublisher:
         self.address = address
         self.incarnation = incarnation if incarnation is not None else time.time_ns()
         self._snapshot = snapshot
-        self._finder = _LeaderFinder(targets, min(rpc_timeout_s, discovery_timeout_s))
+        self._finder = _LeaderFinder(targets, min(rpc_timeout_s, discovery_timeout_s), auth)
         self._lease_ttl_s = lease_ttl_s
         self.rpc_timeout_s = rpc_timeout_s
         self.max_queued_keys = max_queued_keys

@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
 from pegaflow.common.addresses import format_host_port
+from pegaflow.common.auth import RefusalCollector, ServerSecurity, exposure_warning
 from pegaflow.common.grpc_server import listen, mark_serving, new_grpc_server
 from pegaflow.common.metrics_http import MetricsHttpServer
 from pegaflow.metaserver.config import MetaServerConfig, parse_host_port
@@ -68,6 +69,7 @@ class RunningMetaServer:
         self.http: MetricsHttpServer | None = None
         self.address = ""
         self.http_address: str | None = None
+        self.security: ServerSecurity | None = None  # who may call (common/auth.py)
         self._stop = threading.Event()
         self._maintenance = threading.Thread(
             target=self._maintain, name="metaserver-maintenance", daemon=True
@@ -138,18 +140,55 @@ class RunningMetaServer:
             self.grpc_server.wait_for_termination()
 
 
+def _warn_exposure(
+    config: MetaServerConfig, running: RunningMetaServer, security: ServerSecurity
+) -> list[str]:
+    """One warning at start per surface other hosts reach with nothing authenticating its callers: gRPC
+    (a node's heartbeats and publishes are its lease and its index entries: any caller could drop or
+    forge them), and HTTP, which never authenticates (/metrics names every node by its address;
+    namespaces are digests, no model names)."""
+    warnings = []
+    host, _ = parse_host_port(config.addr)
+    text = exposure_warning("pegaflow-metaserver gRPC", running.address, host, security.authenticates, True)
+    if text is not None:
+        warnings.append(
+            text + " Any caller can register as a node, publish or withdraw index entries and read where "
+            "blocks live. Set --auth-token-file and/or --tls-cert/--tls-key/--tls-client-ca."
+        )
+    if config.http_addr is not None and running.http_address is not None:
+        http_host, _ = parse_host_port(config.http_addr)
+        text = exposure_warning(
+            "pegaflow-metaserver /metrics and /health (HTTP)", running.http_address, http_host, False, False
+        )
+        if text is not None:
+            warnings.append(
+                text + " They name every node by its address (HTTP has no authentication: keep it "
+                "behind a network policy, or listen on 127.0.0.1)."
+            )
+    for text in warnings:
+        log.warning("%s", text)
+    return warnings
+
+
 def start_metaserver(config: MetaServerConfig) -> RunningMetaServer:
     config.validate()
+    security = config.auth().open("pegaflow-metaserver")  # AuthConfigError (a ValueError): no start
     running = RunningMetaServer(config)
+    running.security = security
+    running.metrics.registry.register(RefusalCollector(security, "pegaflow_meta_rpc_unauthenticated"))
     try:
         server = new_grpc_server(
-            config.grpc_workers, "metaserver-grpc", MAX_MESSAGE_BYTES, config.max_concurrent_rpcs
+            config.grpc_workers,
+            "metaserver-grpc",
+            MAX_MESSAGE_BYTES,
+            config.max_concurrent_rpcs,
+            interceptors=security.interceptors,
         )
         running.servicer = MetaServerServicer(running.index, config, running.metrics, running.leadership)
         metaserver_pb2_grpc.add_MetaServerServicer_to_server(running.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(running.health, server)
         host, _ = parse_host_port(config.addr)
-        running.address = listen(server, config.addr, host)
+        running.address = listen(server, config.addr, host, security.credentials)
         running.leadership.advertise_address = advertised(config, running.address)
         running.grpc_server = server
         server.start()
@@ -166,6 +205,7 @@ def start_metaserver(config: MetaServerConfig) -> RunningMetaServer:
             )
             running.http.start()
             running.http_address = running.http.address
+        _warn_exposure(config, running, security)
         mark_serving(running.health, SERVICE_NAME)
     except BaseException:
         running.stop(grace_s=0)

@@ -185,6 +185,20 @@ class ServerConfig:
     peer_transfer_ttl_s: float = 30.0  # how long a peer keeps blocks pinned for one of our pulls
     peer_max_fetch_bytes: int = 4 << 30  # the most one pull moves
     peer_inflight_bytes: int = 8 << 30  # bytes being pulled at once
+    # ---- Remote access (common/auth.py, server/remote_access.py). All unset: plaintext gRPC that any
+    # caller who reaches --addr may use, exactly as before (the default --addr is loopback).
+    auth_token_file: str | None = None  # tokens accepted on --addr (Engine and PeerTransfer alike)
+    tls_cert_file: str | None = None  # TLS on --addr; also this node's client certificate to peers
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None  # mutual TLS: callers need a certificate this CA signed
+    peer_auth_token_file: str | None = None  # the token sent to peers (default: auth_token_file's)
+    peer_tls_ca_file: str | None = None  # TLS to peers, verified against this CA
+    metaserver_auth_token_file: str | None = None  # the token sent to the metaserver
+    metaserver_tls_ca_file: str | None = None  # TLS to the metaserver, verified against this CA
+    # /metrics labels and GetStats name models by a digest (server/metrics/model_names.py); the key
+    # file makes it a keyed digest (and implies hiding).
+    metrics_hide_models: bool = False
+    metrics_model_key_file: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.pool_size_bytes, int) or self.pool_size_bytes <= 0:
@@ -245,6 +259,9 @@ class ServerConfig:
         for field in ("promote_inflight_bytes", "demote_inflight_bytes"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"{field} must be positive")
+        from pegaflow.server.remote_access import check_config  # flag combinations; no file is read
+
+        check_config(self)
 
     @property
     def heartbeat_interval_s(self) -> float:

@@ -242,6 +242,79 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="the most one pull moves (default 4gb)",
     )
+    access = p.add_argument_group(
+        "remote access",
+        "who may call --addr, and what this node presents to the peers and the metaserver it calls "
+        '(server/remote_access.py; ARCHITECTURE.md, "Trust model"). None of them: plaintext gRPC open '
+        "to whoever reaches --addr (loopback by default); a warning at start when other hosts can. "
+        "Tokens are read from files, never from the command line (ps shows it to every local user)",
+    )
+    access.add_argument(
+        "--auth-token-file",
+        default=None,
+        metavar="PATH",
+        help="require one of this file's tokens (one per line, >= 16 printable characters, e.g. openssl "
+        "rand -hex 32) as 'authorization: Bearer <token>' on every gRPC call but health checks, Engine and "
+        "PeerTransfer alike; others get UNAUTHENTICATED. Re-read when it changes (rotation: add the new "
+        "token as a second line, move the clients, drop the old one). Clients: PEGAFLOW_AUTH_TOKEN_FILE",
+    )
+    access.add_argument(
+        "--tls-cert",
+        default=None,
+        metavar="PATH",
+        help="serve gRPC over TLS with this PEM certificate (chain); with --tls-key. Also this node's "
+        "client certificate towards peers and the metaserver when TLS to them is on",
+    )
+    access.add_argument("--tls-key", default=None, metavar="PATH", help="the PEM private key of --tls-cert")
+    access.add_argument(
+        "--tls-client-ca",
+        default=None,
+        metavar="PATH",
+        help="mutual TLS: accept only callers with a certificate this PEM CA signed (checked in the TLS "
+        "handshake, health probes included: a caller without one sees UNAVAILABLE)",
+    )
+    access.add_argument(
+        "--peer-auth-token-file",
+        default=None,
+        metavar="PATH",
+        help="with --metaserver-addr: the token (first line) sent to peers, whose --addr checks it "
+        "(default: --auth-token-file's, the cluster's one token)",
+    )
+    access.add_argument(
+        "--peer-tls-ca",
+        default=None,
+        metavar="PATH",
+        help="with --metaserver-addr: dial peers over TLS, verifying their certificates against this PEM CA "
+        "(a certificate must name the address its node advertises, --addr); this node's --tls-cert is "
+        "presented for peers that require mutual TLS",
+    )
+    access.add_argument(
+        "--metaserver-auth-token-file",
+        default=None,
+        metavar="PATH",
+        help="with --metaserver-addr: the token (first line) sent to the metaserver (no default: it is "
+        "another service)",
+    )
+    access.add_argument(
+        "--metaserver-tls-ca",
+        default=None,
+        metavar="PATH",
+        help="with --metaserver-addr: dial the metaserver over TLS, verifying it against this PEM CA; "
+        "--tls-cert is presented when it requires mutual TLS",
+    )
+    access.add_argument(
+        "--metrics-hide-models",
+        action="store_true",
+        help="name models by a stable digest (model-<16 hex>, SHA-256 of the id) in /metrics labels and "
+        "GetStats, for every caller; the id stays in this server's logs",
+    )
+    access.add_argument(
+        "--metrics-model-key-file",
+        default=None,
+        metavar="PATH",
+        help="as --metrics-hide-models (implies it), with a digest keyed by this file (HMAC-SHA-256; the "
+        "same file on every node gives the same labels), so a guessed model name cannot be confirmed",
+    )
     add_log_level_flag(p)
     return p
 
@@ -276,6 +349,16 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         peer_fetch_deadline_s=args.peer_fetch_deadline,
         peer_transfer_ttl_s=args.peer_transfer_ttl,
         peer_max_fetch_bytes=args.peer_max_fetch_bytes,
+        auth_token_file=args.auth_token_file,
+        tls_cert_file=args.tls_cert,
+        tls_key_file=args.tls_key,
+        tls_client_ca_file=args.tls_client_ca,
+        peer_auth_token_file=args.peer_auth_token_file,
+        peer_tls_ca_file=args.peer_tls_ca,
+        metaserver_auth_token_file=args.metaserver_auth_token_file,
+        metaserver_tls_ca_file=args.metaserver_tls_ca,
+        metrics_hide_models=args.metrics_hide_models,
+        metrics_model_key_file=args.metrics_model_key_file,
     )
 
 
@@ -300,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pegaflow-server: error: {exc}", file=sys.stderr)
         return 1
 
+    from pegaflow.server.runtime import tune_serving_process
+
+    tune_serving_process()
     stop = StopSignals(log)
     print(
         json.dumps(

@@ -17,14 +17,17 @@ grpc.aio and uvloop. bench/server_bench.py measures the chosen server.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
+import sys
 import tempfile
 import threading
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
+from pegaflow.common.auth import RefusalCollector
 from pegaflow.common.grpc_server import listen, mark_serving, new_grpc_server
 from pegaflow.common.metrics_http import MetricsHttpServer
 from pegaflow.proto import pegaflow_pb2
@@ -36,6 +39,7 @@ from pegaflow.server.endpoints.local_rpc import LocalRpcServer
 from pegaflow.server.endpoints.unix_socket import raise_open_file_limit
 from pegaflow.server.engine import KVEngine
 from pegaflow.server.metrics.registry import ServerMetrics
+from pegaflow.server.remote_access import RemoteAccess
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +60,7 @@ class RunningServer:
         self.local_rpc: LocalRpcServer | None = None  # None when its socket could not be bound
         self.doorbell: DoorbellServer | None = None  # the GPU data path's local socket, when there is one
         self.peers = None  # server.peers.node.PeerNode with --metaserver-addr
+        self.access: RemoteAccess | None = None  # who may call, what this node presents (remote_access.py)
         self.health: health.HealthServicer | None = None
         self.http: MetricsHttpServer | None = None
         self.address = ""
@@ -168,6 +173,30 @@ def _start_gpu(config: ServerConfig, engine: KVEngine):
     return gpu
 
 
+# A request thread that returns from a wait (a socket, the GPU, a disk) needs the GIL back; while
+# another thread runs Python (the metrics feeder's bursts of 5-10 ms every 100 ms, eviction) it
+# gets it only when that thread is forced to switch, after the interval: 5 ms by default. Measured
+# on the H200 host (bench/tail_latency.py, server/gpu/README.md): 0.2 ms cut the idle p99 of a
+# 64-hash query over the local socket from 5.7 to 1.6 ms and removed the 2-4x slow GPU runs.
+SWITCH_INTERVAL_S = 2e-4
+GC_FREEZE = True  # benchmarks switch these off (bench/gpu_bench.py, tail_latency.py) to measure them
+
+
+def tune_serving_process() -> None:
+    """For the pegaflow-server daemon (not an embedding process, whose interpreter is not ours): a
+    short GIL switch interval, and gc.freeze() once everything long-lived exists, so a full
+    collection (which stops every thread) scans only what was made since (measured: one GPU save
+    in ten stalled 16-32 ms in a collection, server/gpu/README.md)."""
+    if SWITCH_INTERVAL_S < sys.getswitchinterval():
+        log.info(
+            "GIL switch interval %.1f ms -> %.2f ms", sys.getswitchinterval() * 1e3, SWITCH_INTERVAL_S * 1e3
+        )
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
+    if GC_FREEZE:
+        gc.collect()
+        gc.freeze()
+
+
 def open_ssd_tier(config: ServerConfig):
     """The L3 SSD tier the flags ask for, or None. SsdConfigError (a ValueError) refuses the start."""
     if not config.ssd_cache_paths:
@@ -189,7 +218,10 @@ def start_server(config: ServerConfig) -> RunningServer:
     server = RunningServer(config)
     try:
         raise_open_file_limit()  # every local client costs a few descriptors (issue 12 F4)
-        server.metrics = ServerMetrics(config.hll_windows)
+        # Before the pool exists: a credential file that cannot be used refuses the start at once.
+        server.access = access = RemoteAccess.load(config)
+        server.metrics = ServerMetrics(config.hll_windows, model_names=access.model_names)
+        server.metrics.registry.register(RefusalCollector(access.server, "pegaflow_rpc_unauthenticated"))
         ssd = open_ssd_tier(config)
         try:
             server.engine = engine = KVEngine(config, observer=server.metrics, ssd=ssd)
@@ -207,7 +239,9 @@ def start_server(config: ServerConfig) -> RunningServer:
         server.broker.start()
         engine.add_session_listener(server.broker.forget_session)
 
-        server.grpc_server = new_grpc_server(config.rpc_workers, "pegaflow-rpc", MAX_MESSAGE_BYTES)
+        server.grpc_server = new_grpc_server(
+            config.rpc_workers, "pegaflow-rpc", MAX_MESSAGE_BYTES, interceptors=access.server.interceptors
+        )
         servicer = EngineServicer(engine, server.fd_socket_path, server.metrics, gpu=server.gpu)
         _start_local_rpc(server, servicer)  # before gRPC serves OpenSession, whose answer names it
         _start_doorbell(server)  # before gRPC serves RegisterDeviceMemory, whose answer names it
@@ -215,7 +249,7 @@ def start_server(config: ServerConfig) -> RunningServer:
         server.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(server.health, server.grpc_server)
         host, _ = parse_host_port(config.addr)
-        server.address = listen(server.grpc_server, config.addr, host)
+        server.address = listen(server.grpc_server, config.addr, host, access.server.credentials)
         if config.metaserver_addr:
             from pegaflow.server.peers.node import PeerNode  # the L2 parts only load when asked for
 
@@ -237,13 +271,15 @@ def start_server(config: ServerConfig) -> RunningServer:
             server.http.start()
             server.http_address = server.http.address
 
+        access.warn_exposure(config, server.address, server.http_address)
         mark_serving(server.health, SERVICE_NAME)
     except BaseException:
         server.stop(grace_s=0)
         raise
     log.info(
-        "pegaflow-server ready: grpc %s, metrics %s, pool fd socket %s, local rpc socket %s, epoch %s",
+        "pegaflow-server ready: grpc %s (%s), metrics %s, pool fd socket %s, local rpc socket %s, epoch %s",
         server.address,
+        access.describe(),
         server.http_address or "off",
         server.fd_socket_path,
         server.local_rpc_socket_path or "off",

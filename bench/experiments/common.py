@@ -1,6 +1,6 @@
 """Pieces every experiment's command line shares: work directories, logging of phases, the HLL
-window that covers a run, the flags and memory warning of the trace-replay experiments, the
-regression record and the result files."""
+window that covers a run, the flags and memory warning of the trace-replay experiments, the trace
+replay itself and `--redraw` of a saved report. The A/B skeleton on top of them is ab.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pathlib
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 from pegaflow.bench.harness import loadgen, results, traces
 from pegaflow.bench.harness.procs import mem_available_bytes
@@ -104,48 +104,18 @@ def warn_if_memory_short(need: int) -> None:
         say(f"warning: {mem_available_bytes() / GIB:.1f} GiB available, ~{need / GIB:.1f} GiB needed")
 
 
-def arm_request_problems(arms: Mapping[str, Mapping]) -> list[str]:
-    """What makes any regression fail whatever it compares: a failed request, or a response without
-    cached_tokens (its hit rate would be understated)."""
-    problems = []
-    for arm, data in arms.items():
-        s = data["summary"]
-        if s["failed"]:
-            problems.append(f"{arm}: {s['failed']} request(s) failed: {s['errors']}")
-        if s["responses_without_cached_tokens"]:
-            problems.append(
-                f"{arm}: {s['responses_without_cached_tokens']} response(s) without cached_tokens"
-            )
-    return problems
-
-
-def judge_regression(
-    report: dict,
-    min_gap: float,
-    verdict: Callable[[dict], tuple[bool, list[str]]],
-    compared_rates: Callable[[dict], str],
-) -> bool:
-    """Judges a finished regression run: the verdict goes into the report (so the JSON says why a
-    run failed) and to the log, a pass with the block hit rates it compared (`compared_rates`,
-    called only on a pass, when both rates exist). True when it passed."""
-    ok, problems = verdict(report)
-    report["regression"] = {
-        "min_block_hit_rate_gap": min_gap,
-        "passed": ok,
-        "problems": problems,
-    }
-    for p in problems:
-        say(f"FAIL: {p}")
-    if ok:
-        say(f"PASS: {compared_rates(report)} (gap >= {min_gap}), no failed request")
-    return ok
-
-
 def replay_trace(
-    arm: str, setup, trace: traces.Trace, endpoints: list[str], model_name: str, arm_dir: pathlib.Path
+    arm: str,
+    setup,
+    trace: traces.Trace,
+    endpoints: list[str],
+    model_name: str,
+    arm_dir: pathlib.Path,
+    **options,
 ) -> loadgen.LoadResult:
     """The trace through locust against a running fleet, paced as the setup says (`users`,
-    `think_time_s`, `max_run_s`), every record tagged with its arm for the combined CSV."""
+    `think_time_s`, `max_run_s`), every record tagged with its arm for the combined CSV. `options`:
+    more of loadgen.run_trace's (record_tokens, logprobs)."""
     load = loadgen.run_trace(
         trace,
         endpoints,
@@ -155,23 +125,11 @@ def replay_trace(
         max_run_s=setup.max_run_s,
         label=arm,
         think_time_s=setup.think_time_s,
+        **options,
     )
     for r in load.records:
         r["arm"] = arm
     return load
-
-
-def write_outputs(
-    report: dict, out: pathlib.Path, stem: str, figure: Callable[[dict, pathlib.Path], None]
-) -> None:
-    """<stem>_requests.csv (the per-request records, moved out of the report), <stem>.json, <stem>.png."""
-    rows = []
-    for arm in report["arms"].values():
-        rows.extend(arm.pop("records"))
-    results.write_csv(out / f"{stem}_requests.csv", rows)
-    results.write_json(out / f"{stem}.json", report)
-    figure(report, out / f"{stem}.png")
-    say(f"wrote {out / (stem + '.json')}, {stem}_requests.csv, {stem}.png")
 
 
 def redraw(

@@ -37,18 +37,16 @@ threshold asks for less than half the predicted gap.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import json
 import pathlib
 import sys
-import time
 
-from pegaflow.bench.experiments import common
+from pegaflow.bench.experiments import ab, common
 from pegaflow.bench.experiments.common import GIB, MIB, Stopwatch, say, window_covering
-from pegaflow.bench.harness import cachesim, connector_config, loadgen, models, plots, results, traces
+from pegaflow.bench.harness import cachesim, connector_config, models, plots, results, traces
 from pegaflow.bench.harness.pegaflow_proc import PegaflowServerProcess
-from pegaflow.bench.harness.vllm_fleet import CpuPlacement, VllmConfig, VllmFleet, counters_delta
+from pegaflow.bench.harness.vllm_fleet import CpuPlacement, VllmConfig
 from pegaflow.tools.vllm_cpu.tiny_model import TinyModelSpec
 
 ARMS = ("once", "per_rank")
@@ -227,7 +225,7 @@ def run_arm(
     trace: traces.Trace,
     budget: dict,
     workdir: pathlib.Path,
-) -> dict:
+) -> ab.ArmReport:
     """One storage mode end to end: pegaflow-server of B, vLLM at TP, warm-up, trace, scrape, all down."""
     arm_dir = workdir / arm
     clock = Stopwatch()
@@ -235,36 +233,33 @@ def run_arm(
     try:
         server_ready_s = server.start()
         cfg = vllm_config(setup, model_dir, arm, server.addr)
-        with VllmFleet([cfg], arm_dir) as fleet:
-            say(
-                f"{arm}: pegaflow-server of {budget['pool_bytes'] / MIB:.0f} MiB; starting vLLM TP={setup.tp}"
-            )
-            ready = fleet.start(setup.ready_timeout_s)
-            say(f"{arm}: vLLM ready in {ready[0]:.1f} s")
-            loadgen.run_warmup(fleet.endpoints, cfg.served_model_name)
-            stats_before = server.stats()
-            before = fleet.counters()
-            load = common.replay_trace(arm, setup, trace, fleet.endpoints, cfg.served_model_name, arm_dir)
-            after = fleet.counters()
-            memory = fleet.memory()
-            stats = server.stats()
-            server_memory = server.memory()
+        say(f"{arm}: pegaflow-server of {budget['pool_bytes'] / MIB:.0f} MiB; vLLM at TP={setup.tp}")
+        run = ab.replay_on_fleet(
+            arm,
+            setup,
+            [cfg],
+            trace,
+            arm_dir,
+            before=lambda _fleet: server.stats(),
+            after=lambda _fleet: (server.stats(), server.memory()),
+        )
     finally:
         server.stop()
+    stats_before, (stats, server_memory) = run.before, run.after
     window = window_covering(list(stats.get("hll_ceiling") or {}), clock.elapsed())
     lookups = (stats["hits"] + stats["misses"]) - (stats_before["hits"] + stats_before["misses"])
     ceiling = (stats.get("hll_ceiling") or {}).get(window)
-    return {
-        "arm": arm,
+    started = {
         "kv_transfer_config": cfg.kv_transfer_config,
         "vllm_args": list(cfg.extra_args),
         "server_ready_s": server_ready_s,
-        "vllm_ready_s": ready[0],
-        "summary": results.summarize_requests(load.records, BLOCK_TOKENS),
-        "vllm_counters_delta": counters_delta(before[0], after[0]),
-        "vllm_memory": memory[0],
-        "locust": load.summary,
-        "locust_exit_code": load.locust_exit_code,
+        "vllm_ready_s": run.ready_s[0],
+    }
+    measured = {
+        "vllm_counters_delta": run.counters_delta[0],
+        "vllm_memory": run.memory[0],
+        "locust": run.load.summary,
+        "locust_exit_code": run.load.locust_exit_code,
         "server_stats": stats,
         "server_memory": server_memory,
         "hll_window": window,
@@ -278,16 +273,12 @@ def run_arm(
         "pool_used_bytes": stats["pool_used_bytes"],
         "namespaces": len(stats.get("namespaces", [])),
         "wall_s": clock.elapsed(),
-        "records": load.records,
     }
+    summary = results.summarize_requests(run.load.records, BLOCK_TOKENS)
+    return ab.ArmReport(arm, started, summary, measured, run.load.records)
 
 
-def compare(once: dict, per_rank: dict) -> dict:
-    """Store-once vs per-rank: relative changes (+0.72 = +72 %) and hit-rate ratios/gaps."""
-    return results.compare_summaries(once, per_rank, gaps=("request_hit_rate", "block_hit_rate"))
-
-
-def tp8_arithmetic(report: dict) -> dict:
+def tp8_arithmetic(report: ab.ABReport) -> dict:
     """What the same trace and B would give at TP=8, from the LRU model and this run's costs.
 
     Per rank, each block takes 8 slots instead of 2, so B holds a quarter of the TP=2 per-rank
@@ -296,7 +287,7 @@ def tp8_arithmetic(report: dict) -> dict:
     (prompt tokens computed per request) through this run's two arms and applying it to the
     tokens the TP=8 model computes gives the estimate (it ignores that a real TP=8 engine computes
     faster, which scales both arms alike)."""
-    budget = report["budget"]
+    budget = report.budget
     capacity = budget["capacity_blocks"]
     working_set = budget.get("working_set_blocks") or budget.get("target_blocks") or capacity
     ws_bytes = working_set * budget["block_bytes"]
@@ -310,20 +301,18 @@ def tp8_arithmetic(report: dict) -> dict:
         },
         "lru_model": budget["lru_model_tp8"],
     }
-    arms = report.get("arms", {})
-    if {"once", "per_rank"} <= set(arms):
+    if {"once", "per_rank"} <= set(report.arms):
         points = []
         for arm in ("once", "per_rank"):
-            s = arms[arm]["summary"]
-            if not s["throughput_rps"] or not s["succeeded"]:
+            s = report.summary(arm)
+            if not s.throughput_rps or not s.succeeded:
                 return out
-            computed = (s["prompt_tokens"] - s["cached_tokens"]) / s["succeeded"]
-            points.append((computed, 1.0 / s["throughput_rps"]))
+            points.append(((s.prompt_tokens - s.cached_tokens) / s.succeeded, 1.0 / s.throughput_rps))
         (x0, y0), (x1, y1) = points
         if x1 != x0:
             b = (y1 - y0) / (x1 - x0)
             a = y0 - b * x0
-            tokens_per_request = report["trace"]["prompt_tokens_mean"]
+            tokens_per_request = report.trace["prompt_tokens_mean"]
 
             def predicted(sim: dict) -> float:
                 computed = tokens_per_request * (1.0 - sim["block_hit_rate"])
@@ -337,7 +326,7 @@ def tp8_arithmetic(report: dict) -> dict:
     return out
 
 
-def run(setup: Setup, workdir: pathlib.Path, model_cache: pathlib.Path | None = None) -> dict:
+def run(setup: Setup, workdir: pathlib.Path, model_cache: pathlib.Path | None = None) -> ab.ABReport:
     say(f"mla_dedup[{setup.name}]: workdir {workdir}")
     model_dir = models.ensure_model(setup.model, model_cache)
     trace = traces.generate(setup.trace)
@@ -352,45 +341,24 @@ def run(setup: Setup, workdir: pathlib.Path, model_cache: pathlib.Path | None = 
         f"LRU model block hit rate once {m['once']['block_hit_rate']:.3f} "
         f"vs per rank {m['per_rank']['block_hit_rate']:.3f}"
     )
-    report = {
-        "experiment": "mla_dedup",
-        "setup": setup.to_dict(),
-        "machine": results.machine_info(),
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "model_dir": str(model_dir),
-        "model": {
-            "spec": dataclasses.asdict(setup.model),
-            "attention_backend": ATTENTION_BACKEND,
-            "block_tokens": BLOCK_TOKENS,
-            "block_bytes": block_bytes,
-        },
-        "trace": trace.summary(),
-        "budget": budget,
-        "arms": {},
+    model = {
+        "spec": dataclasses.asdict(setup.model),
+        "attention_backend": ATTENTION_BACKEND,
+        "block_tokens": BLOCK_TOKENS,
+        "block_bytes": block_bytes,
     }
-    if setup.arms_side_by_side:
-        with concurrent.futures.ThreadPoolExecutor(len(ARMS)) as pool:
-            futures = {
-                arm: pool.submit(run_arm, arm, setup, model_dir, trace, budget, workdir) for arm in ARMS
-            }
-            for arm in ARMS:
-                report["arms"][arm] = futures[arm].result()
-    else:
-        for arm in ARMS:
-            report["arms"][arm] = run_arm(arm, setup, model_dir, trace, budget, workdir)
-    for arm in ARMS:
-        s = report["arms"][arm]["summary"]
-        say(
-            f"{arm}: {s['succeeded']}/{s['requests']} ok, {s['throughput_rps'] or 0:.3f} req/s, "
-            f"TTFT mean {s['ttft_mean_s'] or 0:.2f} s P99 {s['ttft_p99_s'] or 0:.2f} s, "
-            f"block hit {s['block_hit_rate'] or 0:.3f}, request hit {s['request_hit_rate'] or 0:.3f}, "
-            f"HLL ceiling {report['arms'][arm]['hll_ceiling']}"
-        )
-    derive(report)
+    report = ab.ABReport.start("mla_dedup", setup.to_dict(), model_dir, trace, budget, model=model)
+    EXPERIMENT.run_arms(
+        report,
+        ARMS,
+        lambda arm: run_arm(arm, setup, model_dir, trace, budget, workdir),
+        side_by_side=setup.arms_side_by_side,
+        log_suffix=lambda arm: f", HLL ceiling {arm.measured['hll_ceiling']}",
+    )
     return report
 
 
-def hll_per_request_lookup(report: dict) -> dict:
+def hll_per_request_lookup(report: ab.ABReport) -> dict:
     """The server's HyperLogLog ceiling re-based on one lookup per full prompt block.
 
     A server that counts every QueryPrefix block as a lookup (the scheduler's and each worker's
@@ -399,48 +367,38 @@ def hll_per_request_lookup(report: dict) -> dict:
     (1 - r*_server) is the HLL's estimate of the trace's distinct blocks, and 1 - U_hll / N_trace the
     ceiling over one lookup per block. A server that counts only the scheduler's lookup reports that
     number itself (then both agree)."""
-    once = report["arms"]["once"]
-    n_trace = report["budget"]["trace_block_lookups"]
-    u_hll = once.get("hll_distinct_estimate")
+    n_trace = report.budget["trace_block_lookups"]
+    u_hll = report.arms["once"].measured.get("hll_distinct_estimate")
     return {
-        "server_reported": {arm: data.get("hll_ceiling") for arm, data in report["arms"].items()},
+        "server_reported": {name: arm.measured.get("hll_ceiling") for name, arm in report.arms.items()},
         "server_block_lookups": {
-            arm: data.get("server_block_lookups") for arm, data in report["arms"].items()
+            name: arm.measured.get("server_block_lookups") for name, arm in report.arms.items()
         },
         "trace_block_lookups": n_trace,
-        "trace_distinct_blocks": report["budget"]["trace_distinct_blocks"],
+        "trace_distinct_blocks": report.budget["trace_distinct_blocks"],
         "hll_distinct_estimate_once": u_hll,
         "ceiling_one_lookup_per_block": None if u_hll is None or not n_trace else 1.0 - u_hll / n_trace,
-        "exact_ceiling": report["budget"]["exact_ceiling"],
+        "exact_ceiling": report.budget["exact_ceiling"],
     }
 
 
-def derive(report: dict) -> None:
+def derive(report: ab.ABReport) -> None:
     """The numbers computed from the arms' measurements (also for --redraw of a saved report)."""
-    report["comparison"] = compare(report["arms"]["once"]["summary"], report["arms"]["per_rank"]["summary"])
-    report["tp8"] = tp8_arithmetic(report)
-    report["hll"] = hll_per_request_lookup(report)
+    report.sections["tp8"] = tp8_arithmetic(report)
+    report.sections["hll"] = hll_per_request_lookup(report)
 
 
-def regression_verdict(report: dict) -> tuple[bool, list[str]]:
-    problems = common.arm_request_problems(report["arms"])
-    gap = report["comparison"]["block_hit_rate_gap"]
-    if gap is None or gap < REGRESSION_MIN_GAP:
-        once = report["arms"]["once"]["summary"]["block_hit_rate"]
-        per = report["arms"]["per_rank"]["summary"]["block_hit_rate"]
-        m = report["budget"]["lru_model"]
-        problems.append(
-            f"store-once block hit rate {once} is not {REGRESSION_MIN_GAP} above per-rank's {per} "
-            f"(LRU model: {m['once']['block_hit_rate']:.3f} vs {m['per_rank']['block_hit_rate']:.3f})"
-        )
-    return not problems, problems
-
-
-def compared_rates(report: dict) -> str:
-    """What a passing regression logs: the block hit rates it compared."""
-    once = report["arms"]["once"]["summary"]["block_hit_rate"]
-    per = report["arms"]["per_rank"]["summary"]["block_hit_rate"]
-    return f"block hit rate once {once:.3f} vs per rank {per:.3f}"
+COMPARISON = ab.ArmComparison(
+    treatment="once",
+    baselines=("per_rank",),
+    min_gap=REGRESSION_MIN_GAP,
+    gaps=("request_hit_rate", "block_hit_rate"),
+    treatment_says="store-once",
+    baseline_says="per-rank's",
+    model_arms=("once", "per_rank"),
+    pass_names=("once", "per rank"),
+)
+EXPERIMENT = ab.ABExperiment("mla_dedup", COMPARISON, plots.mla_dedup_figure, derive)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -457,24 +415,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     if args.redraw is not None:
-        common.redraw(args.redraw, derive, plots.mla_dedup_figure)
+        EXPERIMENT.redraw(args.redraw)
         return 0
 
     setup = common.apply_trace_overrides(REGRESSION if args.regression else FULL, args)
     workdir = common.make_workdir(args.workdir, "mla-dedup")
-    out = args.out or workdir
     # two vLLM process trees of ~2.5 GiB plus their KV caches (the regression runs both arms at once)
     arms_at_once = len(ARMS) if setup.arms_side_by_side else 1
     common.warn_if_memory_short(
         arms_at_once * (int(2.5 * GIB) + setup.tp * setup.vllm_kv_cache_bytes) + 2 * GIB
     )
     report = run(setup, workdir, args.model_cache)
-    ok = not args.regression or common.judge_regression(
-        report, REGRESSION_MIN_GAP, regression_verdict, compared_rates
-    )
-    stem = "mla_dedup_regression" if args.regression else "mla_dedup"
-    common.write_outputs(report, out, stem, plots.mla_dedup_figure)
-    return 0 if ok else 1
+    return EXPERIMENT.finish(report, regression=args.regression, out=args.out or workdir)
 
 
 if __name__ == "__main__":

@@ -28,14 +28,13 @@ import dataclasses
 import math
 import pathlib
 import sys
-import time
 
-from pegaflow.bench.experiments import common
+from pegaflow.bench.experiments import ab, common
 from pegaflow.bench.experiments.common import GIB, MIB, Stopwatch, say, window_covering
-from pegaflow.bench.harness import cachesim, connector_config, loadgen, models, plots, results, traces
+from pegaflow.bench.harness import cachesim, connector_config, models, plots, results, traces
 from pegaflow.bench.harness.pegaflow_proc import PegaflowServerProcess, free_local_addr, get_stats
 from pegaflow.bench.harness.procs import machine_busy_cpu_seconds, mem_available_bytes
-from pegaflow.bench.harness.vllm_fleet import CpuPlacement, VllmConfig, VllmFleet, counters_delta
+from pegaflow.bench.harness.vllm_fleet import CpuPlacement, VllmConfig, VllmFleet
 from pegaflow.tools.vllm_cpu.tiny_model import TinyModelSpec
 
 ARMS = ("shared", "isolated")
@@ -215,7 +214,7 @@ def run_arm(
     trace: traces.Trace,
     budget: dict,
     workdir: pathlib.Path,
-) -> dict:
+) -> ab.ArmReport:
     """One layout of the budget, end to end: pools up, fleet up, warm-up, trace, scrape, all down.
 
     shared: one pegaflow-server of B, every instance attached to it. isolated: each vLLM worker
@@ -256,56 +255,57 @@ def run_arm(
             )
             for kv in kv_configs
         ]
-        model_name = vcfgs[0].served_model_name
-        with VllmFleet(vcfgs, arm_dir) as fleet:
-            say(f"{arm}: starting {n} vLLM instances")
-            ready = fleet.start(setup.ready_timeout_s)
-            say(f"{arm}: instances ready in {', '.join(f'{r:.1f}' for r in ready)} s")
-            loadgen.run_warmup(fleet.endpoints, model_name)
-            before = fleet.counters()
-            cpu_before = _cpu_snapshot(fleet, servers)
-            load = common.replay_trace(arm, setup, trace, fleet.endpoints, model_name, arm_dir)
-            cpu = _cpu_delta(cpu_before, _cpu_snapshot(fleet, servers), load.summary)
-            after = fleet.counters()
-            memory = fleet.memory()
-            pool_stats = [s.stats() for s in servers] or [get_stats(a) for a in engine_addrs]
-            server_memory = [s.memory() for s in servers]
+
+        def pools_after(fleet: VllmFleet) -> tuple[dict, list[dict], list[dict]]:
+            cpu = _cpu_snapshot(fleet, servers)
+            stats = [s.stats() for s in servers] or [get_stats(a) for a in engine_addrs]
+            return cpu, stats, [s.memory() for s in servers]
+
+        run = ab.replay_on_fleet(
+            arm, setup, vcfgs, trace, arm_dir, before=lambda f: _cpu_snapshot(f, servers), after=pools_after
+        )
     finally:
         for s in servers:
             s.stop()
-    arm_result = {
-        "arm": arm,
+    cpu_after, pool_stats, server_memory = run.after
+    records = run.load.records
+    measured = {
+        "by_instance": _as_dicts(results.summarize_by(records, "instance", models.CPU_BLOCK_TOKENS)),
+        "by_kind": _as_dicts(results.summarize_by(records, "kind", models.CPU_BLOCK_TOKENS)),
+        "vllm_counters_delta": run.counters_delta,
+        "vllm_memory": run.memory,
+        "locust": run.load.summary,
+        "locust_exit_code": run.load.locust_exit_code,
+        "cpu_seconds_during_trace": _cpu_delta(run.before, cpu_after, run.load.summary),
+        "wall_s": clock.elapsed(),
+    }
+    if pool_stats:
+        measured["pool_stats"] = pool_stats
+        measured["server_memory"] = server_memory
+        window = window_covering(pool_stats[0].get("measured_hit_rate", {}), clock.elapsed())
+        measured["hll_window"] = window
+        # Per pool: the ceiling of the block stream that pool saw, next to its measured hit rate.
+        measured["hll_ceiling_per_pool"] = [st.get("hll_ceiling", {}).get(window) for st in pool_stats]
+        measured["pool_hit_rate_per_pool"] = [
+            st.get("measured_hit_rate", {}).get(window) for st in pool_stats
+        ]
+        if pools == 1:
+            measured["hll_ceiling"] = measured["hll_ceiling_per_pool"][0]
+            measured["pool_hit_rate"] = measured["pool_hit_rate_per_pool"][0]
+    started = {
         "pools": pools,
         "pool_bytes_each": pool_bytes,
         "pool_owner": "pegaflow-server" if server_owned else "vllm-worker (embedded)",
         "kv_transfer_configs": kv_configs,
         "server_ready_s": server_ready_s,
-        "vllm_ready_s": ready,
-        "summary": results.summarize_requests(load.records, models.CPU_BLOCK_TOKENS),
-        "by_instance": results.summarize_by(load.records, "instance", models.CPU_BLOCK_TOKENS),
-        "by_kind": results.summarize_by(load.records, "kind", models.CPU_BLOCK_TOKENS),
-        "vllm_counters_delta": [counters_delta(b, a) for b, a in zip(before, after, strict=True)],
-        "vllm_memory": memory,
-        "locust": load.summary,
-        "locust_exit_code": load.locust_exit_code,
-        "cpu_seconds_during_trace": cpu,
-        "wall_s": clock.elapsed(),
-        "records": load.records,
+        "vllm_ready_s": run.ready_s,
     }
-    if pool_stats:
-        arm_result["pool_stats"] = pool_stats
-        arm_result["server_memory"] = server_memory
-        window = window_covering(pool_stats[0].get("measured_hit_rate", {}), clock.elapsed())
-        arm_result["hll_window"] = window
-        # Per pool: the ceiling of the block stream that pool saw, next to its measured hit rate.
-        arm_result["hll_ceiling_per_pool"] = [st.get("hll_ceiling", {}).get(window) for st in pool_stats]
-        arm_result["pool_hit_rate_per_pool"] = [
-            st.get("measured_hit_rate", {}).get(window) for st in pool_stats
-        ]
-        if pools == 1:
-            arm_result["hll_ceiling"] = arm_result["hll_ceiling_per_pool"][0]
-            arm_result["pool_hit_rate"] = arm_result["pool_hit_rate_per_pool"][0]
-    return arm_result
+    summary = results.summarize_requests(records, models.CPU_BLOCK_TOKENS)
+    return ab.ArmReport(arm, started, summary, measured, records)
+
+
+def _as_dicts(summaries: dict[str, results.RequestSummary]) -> dict[str, dict]:
+    return {k: v.to_dict() for k, v in summaries.items()}
 
 
 def run(
@@ -313,7 +313,7 @@ def run(
     workdir: pathlib.Path,
     model_cache: pathlib.Path | None = None,
     arms: tuple[str, ...] = ARMS,
-) -> dict:
+) -> ab.ABReport:
     say(f"multi_instance[{setup.name}]: workdir {workdir}")
     model_dir = models.ensure_model(setup.model, model_cache)
     trace = traces.generate(setup.trace)
@@ -328,47 +328,12 @@ def run(
         f"LRU model block hit rate {budget['lru_model']['shared']['block_hit_rate']:.3f} vs "
         f"{budget['lru_model']['isolated']['block_hit_rate']:.3f}"
     )
-    report = {
-        "experiment": "multi_instance",
-        "setup": setup.to_dict(),
-        "machine": results.machine_info(),
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "model_dir": str(model_dir),
-        "trace": trace.summary(),
-        "budget": budget,
-        "arms": {},
-    }
-    for arm in arms:
-        report["arms"][arm] = run_arm(arm, setup, model_dir, trace, budget, workdir)
-        s = report["arms"][arm]["summary"]
-        say(
-            f"{arm}: {s['succeeded']}/{s['requests']} ok, {s['throughput_rps']:.2f} req/s, "
-            f"TTFT mean {s['ttft_mean_s']:.3f} s P99 {s['ttft_p99_s']:.3f} s, "
-            f"block hit {s['block_hit_rate']:.3f}, request hit {s['request_hit_rate']:.3f}"
-        )
-    baseline = isolated_arm(report)
-    if "shared" in report["arms"] and baseline is not None:
-        report["comparison"] = compare(
-            report["arms"]["shared"]["summary"], report["arms"][baseline]["summary"]
-        )
-        report["comparison"]["isolated_arm"] = baseline
+    report = ab.ABReport.start("multi_instance", setup.to_dict(), model_dir, trace, budget)
+    EXPERIMENT.run_arms(report, arms, lambda arm: run_arm(arm, setup, model_dir, trace, budget, workdir))
     return report
 
 
-def isolated_arm(report: dict) -> str | None:
-    """The isolated layout the shared pool is compared with: the embedded pools when they ran."""
-    for arm in ("isolated", "isolated-servers"):
-        if arm in report["arms"]:
-            return arm
-    return None
-
-
-def compare(shared: dict, isolated: dict) -> dict:
-    """Shared vs isolated: relative changes (+0.56 = +56 %), hit-rate ratios and the block gap."""
-    return results.compare_summaries(shared, isolated, gaps=("block_hit_rate",))
-
-
-def derive(report: dict) -> None:
+def derive(report: ab.ABReport) -> None:
     """Where the vLLM CPU time went (report["cpu_model"]), to say what bounds the throughput gain.
 
     Both arms serve the same requests; they differ in how many prompt tokens vLLM computes. With
@@ -376,24 +341,22 @@ def derive(report: dict) -> None:
     of a request: decoding, scheduling, HTTP) and b (prefill per token). A pool can only remove
     prefill, so the gain it can buy is bounded by the fixed share; `prefill_only_gain` is what
     the same hit rates would give if requests cost prefill alone (long prompts, large models)."""
-    arms = report.get("arms", {})
-    baseline = (report.get("comparison") or {}).get("isolated_arm")
-    if "shared" not in arms or baseline not in arms:
+    baseline = COMPARISON.baseline_in(report.arms)
+    if "shared" not in report.arms or baseline is None:
         return
     rows = []
-    for arm in (arms["shared"], arms[baseline]):
-        summary, cpu = arm["summary"], arm.get("cpu_seconds_during_trace") or {}
+    for arm in (report.arms["shared"], report.arms[baseline]):
+        s, cpu = arm.summary, arm.measured.get("cpu_seconds_during_trace") or {}
         if not cpu.get("vllm_total"):
             return
-        computed = summary["prompt_tokens"] - summary["cached_tokens"]
-        rows.append((summary["succeeded"], computed, cpu["vllm_total"]))
+        rows.append((s.succeeded, s.prompt_tokens - s.cached_tokens, cpu["vllm_total"]))
     (n1, t1, c1), (n2, t2, c2) = rows
     det = n1 * t2 - n2 * t1
     if det == 0:
         return
     per_request = (c1 * t2 - c2 * t1) / det
     per_token = (n1 * c2 - n2 * c1) / det
-    report["cpu_model"] = {
+    report.sections["cpu_model"] = {
         "vllm_cpu_s": {"shared": c1, baseline: c2},
         "computed_prompt_tokens": {"shared": t1, baseline: t2},
         "fixed_cpu_s_per_request": per_request,
@@ -403,31 +366,19 @@ def derive(report: dict) -> None:
     }
 
 
-def regression_verdict(report: dict) -> tuple[bool, list[str]]:
-    if "comparison" not in report:
-        return False, ["the regression needs the shared arm and an isolated arm"]
-    baseline = report["comparison"]["isolated_arm"]
-    problems = common.arm_request_problems(report["arms"])
-    gap = report["comparison"]["block_hit_rate_gap"]
-    if gap is None or gap < REGRESSION_MIN_GAP:
-        shared = report["arms"]["shared"]["summary"]["block_hit_rate"]
-        isolated = report["arms"][baseline]["summary"]["block_hit_rate"]
-        problems.append(
-            f"shared block hit rate {shared} is not {REGRESSION_MIN_GAP} above "
-            f"the isolated pools' {isolated} "
-            f"(LRU model: {report['budget']['lru_model']['shared']['block_hit_rate']:.3f} vs "
-            f"{report['budget']['lru_model']['isolated']['block_hit_rate']:.3f})"
-        )
-    return not problems, problems
-
-
-def compared_rates(report: dict) -> str:
-    """What a passing regression logs: the block hit rates it compared."""
-    baseline = report["comparison"]["isolated_arm"]
-    return (
-        f"block hit rate shared {report['arms']['shared']['summary']['block_hit_rate']:.3f} vs "
-        f"{baseline} {report['arms'][baseline]['summary']['block_hit_rate']:.3f}"
-    )
+# Shared vs the embedded pools (or, when only they ran, one server of B/N per instance).
+COMPARISON = ab.ArmComparison(
+    treatment="shared",
+    baselines=("isolated", "isolated-servers"),
+    min_gap=REGRESSION_MIN_GAP,
+    baseline_label="isolated_arm",
+    treatment_says="shared",
+    baseline_says="the isolated pools'",
+    model_arms=("shared", "isolated"),
+    pass_names=("shared", None),
+    missing_arms="the regression needs the shared arm and an isolated arm",
+)
+EXPERIMENT = ab.ABExperiment("multi_instance", COMPARISON, plots.multi_instance_figure, derive)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -450,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     if args.redraw is not None:
-        common.redraw(args.redraw, derive, plots.multi_instance_figure)
+        EXPERIMENT.redraw(args.redraw)
         return 0
 
     setup = REGRESSION if args.regression else FULL
@@ -468,16 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     if not arms or set(arms) - set(ALL_ARMS):
         ap.error(f"--arms: choose from {', '.join(ALL_ARMS)}, got {args.arms!r}")
     workdir = common.make_workdir(args.workdir, "mi")
-    out = args.out or workdir
     common.warn_if_memory_short(setup.num_instances * instance_footprint(setup) + MEMORY_HEADROOM)
     report = run(setup, workdir, args.model_cache, arms)
-    derive(report)
-    ok = not args.regression or common.judge_regression(
-        report, REGRESSION_MIN_GAP, regression_verdict, compared_rates
-    )
-    stem = "multi_instance_regression" if args.regression else "multi_instance"
-    common.write_outputs(report, out, stem, plots.multi_instance_figure)
-    return 0 if ok else 1
+    return EXPERIMENT.finish(report, regression=args.regression, out=args.out or workdir)
 
 
 if __name__ == "__main__":

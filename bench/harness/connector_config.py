@@ -1,6 +1,7 @@
 """--kv-transfer-config values for PegaKVConnector in the two pool modes the experiments compare.
 
-- shared: the connector reaches a pegaflow-server that owns the pool (`server_addr`);
+- shared: the connector reaches a pegaflow-server that owns the pool (`server_addr`, or
+  PEGAFLOW_HOST / PEGAFLOW_PORT in the engine's environment: `server_from_env`);
 - embedded: the vLLM worker owns a pool of its own, in-process, with the same engine and policy
   (the connector's single-instance mode).
 
@@ -27,6 +28,18 @@ def _kv_transfer_config(extra: Mapping) -> dict:
 
 def shared_pool(server_addr: str, timeouts: Mapping[str, int] | None = None) -> dict:
     return _kv_transfer_config({"server_addr": server_addr, **(timeouts or {})})
+
+
+def server_from_env(timeouts: Mapping[str, int] | None = None) -> dict:
+    """The connector reaches the pegaflow-server that PEGAFLOW_HOST / PEGAFLOW_PORT name (the seed's
+    way: set them in the engine's environment, `server_env`)."""
+    return _kv_transfer_config(dict(timeouts or {}))
+
+
+def server_env(addr: str) -> dict[str, str]:
+    """PEGAFLOW_HOST / PEGAFLOW_PORT for a server at "host:port"."""
+    host, port = addr.rsplit(":", 1)
+    return {"PEGAFLOW_HOST": f"http://{host}", "PEGAFLOW_PORT": port}
 
 
 def embedded_pool(

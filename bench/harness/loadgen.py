@@ -41,9 +41,12 @@ def run_trace(
     label: str = "load",
     request_timeout_s: float = 900.0,
     think_time_s: float = 0.0,
+    record_tokens: bool = False,
+    logprobs: int = 0,
 ) -> LoadResult:
     """Replays `trace` against `endpoints` (instance i = endpoints[i]) with `users` concurrent
-    closed-loop users; returns when every request completed or after `max_run_s`."""
+    closed-loop users; returns when every request completed or after `max_run_s`. `record_tokens`:
+    every record also carries the generated token ids (and the top-`logprobs` logprobs of each)."""
     if users <= 0:
         raise ValueError(f"users must be > 0, got {users}")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -87,6 +90,8 @@ def run_trace(
         "--think-time",
         str(think_time_s),
     ]
+    if record_tokens:
+        cmd += ["--record-tokens", "--logprobs", str(logprobs)]
     proc = ManagedProcess(cmd, log_path=out_dir / f"{label}-locust.log", echo_prefix=f"[{label}] ")
     proc.start()
     try:

@@ -151,6 +151,17 @@ def _add_arguments(parser) -> None:
     group.add_argument("--summary", required=True, help="run summary JSON output (counts, CPU time)")
     group.add_argument("--request-timeout", type=float, default=900.0, help="seconds per request")
     group.add_argument(
+        "--record-tokens",
+        action="store_true",
+        help="log each response's generated token ids (completion_token_ids), to compare runs",
+    )
+    group.add_argument(
+        "--logprobs",
+        type=int,
+        default=0,
+        help="with --record-tokens: also log the top-N logprobs of each generated token, keyed by id",
+    )
+    group.add_argument(
         "--think-time",
         type=float,
         default=0.0,
@@ -221,6 +232,12 @@ class CompletionUser(User):
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        opts = self.environment.parsed_options
+        if opts.record_tokens:
+            body["return_token_ids"] = True
+            if opts.logprobs:
+                body["logprobs"] = opts.logprobs
+                body["return_tokens_as_token_ids"] = True  # top-N keyed "token_id:<id>"
         record = {
             "index": request.index,
             "instance": instance,
@@ -237,6 +254,10 @@ class CompletionUser(User):
             "ok": False,
             "error": None,
         }
+        if opts.record_tokens:
+            record["completion_token_ids"] = []
+            if opts.logprobs:
+                record["top_logprobs"] = []
         error: Exception | None = None
         received = 0
         t0 = time.perf_counter()
@@ -290,6 +311,12 @@ class CompletionUser(User):
                 raise StreamError(f"server error in stream: {event['error']}")
             if event.get("choices") and record["ttft_s"] is None:
                 record["ttft_s"] = time.perf_counter() - t0
+            if "completion_token_ids" in record:
+                for choice in event.get("choices") or ():
+                    record["completion_token_ids"].extend(choice.get("token_ids") or ())
+                    logprobs = choice.get("logprobs") or {}
+                    if "top_logprobs" in record and logprobs.get("top_logprobs"):
+                        record["top_logprobs"].extend(logprobs["top_logprobs"])
             usage = event.get("usage")
             if usage:
                 record["usage_prompt_tokens"] = usage.get("prompt_tokens")

@@ -265,3 +265,133 @@ def startup_figure(report: dict, path: pathlib.Path) -> None:
     )
     ax.legend(loc="upper left", fontsize=7)
     _save(fig, path)
+
+
+def remote_read_figure(report: dict, path: pathlib.Path) -> None:
+    """Like the seed's figure 5: per-pull effective throughput of >= 1 GiB prefixes pulled by node B
+    from node A (mean, P99, peak) next to same-run iperf3, the ratios put on the seed's NICs, and the
+    TTFT of one prompt served by a remote hit, a local DRAM hit and recompute."""
+    pulls = (report.get("pulls") or {}).get("by_streams") or {}
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4.6))
+    ax = axes[0]
+    colors = [SHARED_COLOR, ISOLATED_COLOR, "#2f855a", "#6b46c1"]
+    x0 = 0
+    for k, (streams, raw) in enumerate(pulls.items()):
+        color = colors[k % len(colors)]
+        for r in raw["rounds"]:
+            xs = list(range(x0, x0 + len(r["pulls"])))
+            ax.scatter(xs, [p["gbps"] or 0 for p in r["pulls"]], color=color, s=22, zorder=3)
+            if r["iperf3"]:
+                ax.hlines(r["iperf3"]["gbps"], xs[0] - 0.4, xs[-1] + 0.4, color=NEUTRAL_COLOR, linewidth=3)
+            x0 += len(r["pulls"])
+        s = (raw.get("stats") or {}).get("pull_gbps")
+        if s:
+            for key, style in (("mean", "-"), ("p99", "--"), ("peak", ":")):
+                ax.axhline(
+                    s[key],
+                    color=color,
+                    linestyle=style,
+                    linewidth=1,
+                    label=f"{streams} streams {key} {s[key]:.2f}",
+                )
+        x0 += 1
+    ax.plot([], [], color=NEUTRAL_COLOR, linewidth=3, label="iperf3, same streams, that round")
+    ax.set_xlabel("pull (in order; rounds of iperf3 then pulls)")
+    ax.set_ylabel("effective GB/s (bytes / LOOKUP to all readable)")
+    size = next(iter(pulls.values()))["pools"]["b"] / GIB if pulls else 0
+    ax.set_title(f"{size:g} GiB prefix pulls, B <- A, through pegaflow-server", fontsize=10)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7, loc="lower right")
+
+    ax = axes[1]
+    width = 0.38
+    keys = ("mean", "p99", "peak")
+    for k, (streams, raw) in enumerate(pulls.items()):
+        st = raw.get("stats") or {}
+        pull, base = st.get("pull_gbps"), st.get("iperf3_gbps")
+        if not pull:
+            continue
+        xs = [i + k * (len(keys) + 1) for i in range(len(keys))]
+        bars = ax.bar([x - width / 2 for x in xs], [pull[key] for key in keys], width, color=SHARED_COLOR)
+        _label_bars(ax, bars, "{:.2f}")
+        if base:
+            bb = ax.bar([x + width / 2 for x in xs], [base[key] for key in keys], width, color=NEUTRAL_COLOR)
+            _label_bars(ax, bb, "{:.2f}")
+        ax.set_xticks(xs, [f"{key}\n{streams} str." for key in keys], fontsize=8)
+        ratio = st.get("round_ratio")
+        if ratio:
+            ax.annotate(
+                f"round ratio to iperf3: median {ratio['median']:.0%}, worst {ratio['worst']:.0%}\n"
+                f"load1 median {st['load1']['median']:.1f}, worst {st['load1']['worst']:.1f} (2 cores)",
+                (0.02, 0.97), xycoords="axes fraction", va="top", fontsize=7,
+            )  # fmt: skip
+    ax.bar([], [], color=SHARED_COLOR, label="pulls")
+    ax.bar([], [], color=NEUTRAL_COLOR, label="iperf3 (same streams, same run)")
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.35)
+    ax.set_title("pulls vs iperf3 (GB/s): mean, P99, peak", fontsize=10)
+
+    ax = axes[2]
+    scaled = next((raw.get("scaled") for raw in pulls.values() if raw.get("scaled")), None)
+    if scaled:
+        rows = scaled["rows"]
+        xs = list(range(len(keys)))
+        ours = ax.bar([x - width / 2 for x in xs], [rows[key]["scaled_gbps"] for key in keys], width,
+                      color=SHARED_COLOR, label="ours: ratio to iperf3 x line rate")  # fmt: skip
+        seed = ax.bar([x + width / 2 for x in xs], [rows[key]["seed_gbps"] for key in keys], width,
+                      color=ISOLATED_COLOR, label="seed (RDMA READ, production)")  # fmt: skip
+        _label_bars(ax, ours, "{:.0f}")
+        _label_bars(ax, seed, "{:.0f}")
+        ax.set_xticks(xs, keys)
+        cores = scaled["cores_needed_at_line_rate"]
+        ax.annotate(
+            "TCP here would need at 400 GB/s:\n"
+            + "\n".join(f"{n}: {c:.0f} cores" for n, c in cores.items() if "client" not in n),
+            (0.02, 0.97), xycoords="axes fraction", va="top", fontsize=7,
+        )  # fmt: skip
+        ax.set_ylim(0, max(SEED_LINE_GBPS_FOR_PLOT, ax.get_ylim()[1]) * 1.3)
+        ax.axhline(scaled["line_gbps"], color="black", linestyle=":", linewidth=1)
+        ax.legend(fontsize=7, loc="lower right")
+    else:
+        ax.text(0.5, 0.5, "no iperf3 baseline in this run", ha="center", va="center", transform=ax.transAxes)
+    ax.set_title("scaled to 8 x 400 Gbit/s (GB/s; line rate dotted)", fontsize=10)
+
+    ax = axes[3]
+    ttft = report.get("ttft_per_prompt")
+    skipped = (report.get("ttft") or {}).get("skipped")
+    if ttft:
+        arms = ("recompute", "remote", "local")
+        med = [ttft["median_ttft_s"][a] * 1e3 for a in arms]
+        bars = ax.bar(arms, med, color=[ISOLATED_COLOR, SHARED_COLOR, NEUTRAL_COLOR])
+        _label_bars(ax, bars, "{:.0f} ms")
+        for i, a in enumerate(arms):
+            ax.scatter([i] * len(ttft["per_prompt"]), [p["ttft_s"][a] * 1e3 for p in ttft["per_prompt"]],
+                       color="black", s=8, zorder=3)  # fmt: skip
+        ax.set_yscale("log")
+        r = ttft["remote_over_local"]
+        note = f"remote / local: median {r['median']:.2f}x, worst {r['worst']:.2f}x (target <= 1.5x)"
+        if not ttft["remote_hit_used"]:
+            note += (
+                "\nremote = B's FIRST request: it computed (no wait\nfor the pull); the pull served 'local'"
+            )
+        note += f"\ntokens identical: {ttft['tokens_identical']}, logprobs: {ttft['logprobs_identical']}"
+        ax.annotate(note, (0.02, 0.97), xycoords="axes fraction", va="top", fontsize=7)
+        ax.set_ylim(top=ax.get_ylim()[1] * 8)
+        ax.set_ylabel("TTFT (ms), median; dots: each prompt")
+    else:
+        ax.text(0.5, 0.5, "vLLM part " + ("skipped:\n" + _wrap(skipped) if skipped else "not run"),
+                ha="center", va="center", transform=ax.transAxes, fontsize=7)  # fmt: skip
+    ax.set_title("TTFT of one prompt: recompute (A) / remote hit (B) / local hit (B)", fontsize=10)
+    fig.suptitle(
+        "remote read: two pegaflow nodes in network namespaces, TCP over one veth pair, 2 shared cores"
+    )
+    _save(fig, path)
+
+
+SEED_LINE_GBPS_FOR_PLOT = 400.0
+
+
+def _wrap(text: str, width: int = 60) -> str:
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, width))

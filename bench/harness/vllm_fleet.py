@@ -67,6 +67,11 @@ class VllmConfig:
     # backend picks the real one (by CPU, for some backends): start() refuses an engine that
     # reports another, rather than let every derived number be off.
     block_tokens: int | None = None
+    # Another host (bench/harness/netns_cluster.py): the command prefix that runs the engine inside a
+    # node's network namespace, and the node's address the engine listens on (one this process
+    # reaches). None: this host, 127.0.0.1.
+    launcher: tuple[str, ...] = ()
+    host: str | None = None
 
     def server(self, workdir: pathlib.Path) -> VllmServer:
         args = [
@@ -77,8 +82,10 @@ class VllmConfig:
         ]
         if self.max_num_batched_tokens is not None:
             args += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        if self.host is not None:
+            args += ["--host", self.host]  # vLLM's parser keeps the last --host: the launcher's is 127.0.0.1
         env = {**self.placement.env(), **self.extra_env}
-        return VllmServer(
+        server = VllmServer(
             self.model,
             workdir,
             kv_transfer_config=self.kv_transfer_config,
@@ -88,6 +95,13 @@ class VllmConfig:
             extra_args=[*args, *self.extra_args],
             env=env,
         )
+        # VllmServer (tools/vllm_cpu/launcher.py) runs its command as is and reaches 127.0.0.1; an
+        # engine on another node runs under the node's launcher and is reached at the node's address.
+        if self.launcher:
+            server.cmd = [*self.launcher, *server.cmd]
+        if self.host is not None:
+            server.base_url = f"http://{self.host}:{server.port}"
+        return server
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -111,6 +125,17 @@ def vllm_counters(metrics) -> dict[str, float]:
         "requests_succeeded": metrics.value("vllm:request_success_total"),
         "preemptions": metrics.value("vllm:num_preemptions_total"),
     }
+
+
+# Where the external hits came from, as the connector reports them (get_external_cache_hit_sources):
+# vLLM's CacheHitSource values.
+CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"
+HIT_SOURCES = ("host", "p2p", "disk", "external_unspecified")
+
+
+def cached_tokens_by_source(metrics) -> dict[str, float]:
+    """Prompt tokens an engine took from a cache, by the tier the connector named (one scrape)."""
+    return {source: metrics.value(CACHED_BY_SOURCE, source=source) for source in HIT_SOURCES}
 
 
 def counters_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:

@@ -5,10 +5,10 @@ import dataclasses
 
 import pytest
 
-from pegaflow.bench.experiments import common, startup
+from pegaflow.bench.experiments import ab, common, startup
 from pegaflow.bench.experiments import multi_instance as mi
 from pegaflow.bench.experiments.common import window_covering
-from pegaflow.bench.harness import cachesim, models, traces
+from pegaflow.bench.harness import cachesim, models, results, traces
 
 GIB = 1 << 30
 
@@ -53,53 +53,61 @@ def test_hll_window_is_the_shortest_that_covers_the_run():
     assert window_covering({}, 10) is None
 
 
-def _report(shared_rate, isolated_rate, failed=0):
-    def summary(rate):
-        return {**_full_summary(rate), "failed": failed, "errors": [], "responses_without_cached_tokens": 0}
+def _summary(rate, failed=0, **kw):
+    base = dict(
+        requests=10, succeeded=10 - failed, failed=failed, errors=("boom",) if failed else (),
+        duration_s=10.0, throughput_rps=1.0, ttft_mean_s=1.0, ttft_p50_s=1.0, ttft_p90_s=1.0,
+        ttft_p99_s=1.0, e2e_mean_s=1.0, e2e_p99_s=1.0, prompt_tokens=1000, cached_tokens=500,
+        token_hit_rate=0.5, full_prompt_blocks=8, loaded_blocks=4, block_hit_rate=rate,
+        request_hit_rate=rate, responses_without_cached_tokens=0,
+    )  # fmt: skip
+    return results.RequestSummary(**{**base, **kw})
 
-    report = {
-        "arms": {
-            "shared": {"summary": summary(shared_rate)},
-            "isolated": {"summary": summary(isolated_rate)},
-        },
-        "budget": {"lru_model": {"shared": {"block_hit_rate": 0.75}, "isolated": {"block_hit_rate": 0.43}}},
-    }
-    report["comparison"] = mi.compare(
-        report["arms"]["shared"]["summary"], report["arms"]["isolated"]["summary"]
+
+def _report(shared_rate, isolated_rate, failed=0):
+    report = ab.ABReport(
+        "multi_instance",
+        {"budget": {"lru_model": {"shared": {"block_hit_rate": 0.75}, "isolated": {"block_hit_rate": 0.43}}}},
     )
-    report["comparison"]["isolated_arm"] = "isolated"
+    for name, rate in (("shared", shared_rate), ("isolated", isolated_rate)):
+        report.arms[name] = ab.ArmReport(name, {}, _summary(rate, failed), {})
+    mi.EXPERIMENT.analyse(report)
     return report
 
 
-def _full_summary(rate):
-    return {
-        "throughput_rps": 1.0,
-        "ttft_mean_s": 1.0,
-        "ttft_p99_s": 1.0,
-        "request_hit_rate": rate,
-        "block_hit_rate": rate,
-    }
-
-
 def test_regression_verdict():
-    assert mi.regression_verdict(_report(0.75, 0.41)) == (True, [])
-    ok, problems = mi.regression_verdict(_report(0.55, 0.41))
-    assert not ok and "not 0.2 above" in problems[0]
-    ok, problems = mi.regression_verdict(_report(0.75, 0.41, failed=1))
+    assert mi.COMPARISON.verdict(_report(0.75, 0.41)) == (True, [])
+    ok, problems = mi.COMPARISON.verdict(_report(0.55, 0.41))
+    assert not ok and problems == [
+        "shared block hit rate 0.55 is not 0.2 above the isolated pools' 0.41 (LRU model: 0.750 vs 0.430)"
+    ]
+    ok, problems = mi.COMPARISON.verdict(_report(0.75, 0.41, failed=1))
     assert not ok and "failed" in problems[0]
-    ok, problems = mi.regression_verdict({"arms": {}})
-    assert not ok
+    ok, problems = mi.COMPARISON.verdict(ab.ABReport("multi_instance", {}))
+    assert not ok and problems == ["the regression needs the shared arm and an isolated arm"]
+
+
+def test_the_comparison_names_the_isolated_layout_it_used():
+    report = _report(0.75, 0.41)
+    assert report.comparison.labels == {"isolated_arm": "isolated"}
+    del report.arms["isolated"]
+    report.arms["isolated-servers"] = ab.ArmReport("isolated-servers", {}, _summary(0.3), {})
+    mi.EXPERIMENT.analyse(report)
+    assert report.to_dict()["comparison"]["isolated_arm"] == "isolated-servers"
+    assert mi.COMPARISON.compared_rates(report) == "block hit rate shared 0.750 vs isolated-servers 0.300"
 
 
 def test_compare_reports_relative_changes():
-    shared = {**_full_summary(0.8), "throughput_rps": 3.0, "ttft_mean_s": 0.5, "ttft_p99_s": 2.0}
-    isolated = {**_full_summary(0.2), "throughput_rps": 2.0, "ttft_mean_s": 1.0, "ttft_p99_s": 4.0}
-    c = mi.compare(shared, isolated)
-    assert c["throughput_gain"] == pytest.approx(0.5)
-    assert c["ttft_mean_change"] == pytest.approx(-0.5)
-    assert c["ttft_p99_change"] == pytest.approx(-0.5)
-    assert c["request_hit_rate_ratio"] == pytest.approx(4.0)
-    assert c["block_hit_rate_gap"] == pytest.approx(0.6)
+    shared = _summary(0.8, throughput_rps=3.0, ttft_mean_s=0.5, ttft_p99_s=2.0, request_hit_rate=0.8)
+    isolated = _summary(0.2, throughput_rps=2.0, ttft_mean_s=1.0, ttft_p99_s=4.0, request_hit_rate=0.2)
+    c = results.compare_summaries(shared, isolated, gaps=("block_hit_rate",))
+    assert c.throughput_gain == pytest.approx(0.5)
+    assert c.ttft_mean_change == pytest.approx(-0.5)
+    assert c.ttft_p99_change == pytest.approx(-0.5)
+    assert c.request_hit_rate_ratio == pytest.approx(4.0)
+    assert c.gap("block_hit_rate") == pytest.approx(0.6)
+    assert list(c.to_dict())[-1] == "block_hit_rate_gap"
+    assert results.Comparison.from_dict(c.to_dict()) == c
 
 
 def test_startup_refuses_a_pool_that_does_not_fit(monkeypatch):
@@ -116,15 +124,14 @@ def test_startup_stats_use_the_median():
 
 def test_the_regression_verdict_is_recorded_in_the_report():
     report = _report(0.55, 0.41)
-    assert not common.judge_regression(
-        report, mi.REGRESSION_MIN_GAP, mi.regression_verdict, mi.compared_rates
-    )
-    assert report["regression"]["passed"] is False
-    assert report["regression"]["min_block_hit_rate_gap"] == mi.REGRESSION_MIN_GAP
-    assert "not 0.2 above" in report["regression"]["problems"][0]
+    assert not mi.COMPARISON.judge(report)
+    recorded = report.to_dict()["regression"]
+    assert recorded["passed"] is False
+    assert recorded["min_block_hit_rate_gap"] == mi.REGRESSION_MIN_GAP
+    assert "not 0.2 above" in recorded["problems"][0]
     report = _report(0.75, 0.41)
-    assert common.judge_regression(report, mi.REGRESSION_MIN_GAP, mi.regression_verdict, mi.compared_rates)
-    assert report["regression"] == {"min_block_hit_rate_gap": 0.2, "passed": True, "problems": []}
+    assert mi.COMPARISON.judge(report)
+    assert report.to_dict()["regression"] == {"min_block_hit_rate_gap": 0.2, "passed": True, "problems": []}
 
 
 def test_trace_flags_override_only_what_was_given():

@@ -7,8 +7,8 @@ import json
 
 import numpy as np
 
-from pegaflow.bench.experiments import mla_dedup
-from pegaflow.bench.harness import cachesim, plots, traces
+from pegaflow.bench.experiments import ab, mla_dedup
+from pegaflow.bench.harness import cachesim, plots, results, traces
 
 
 def test_block_is_the_real_deepseek_v3_block():
@@ -62,41 +62,37 @@ def test_engine_flags():
 
 
 def _summary(throughput, ttft, block_hit, request_hit, prompt_tokens=1000, cached=500, n=10):
-    return {
-        "requests": n,
-        "succeeded": n,
-        "failed": 0,
-        "errors": [],
-        "throughput_rps": throughput,
-        "ttft_mean_s": ttft,
-        "ttft_p99_s": 2 * ttft,
-        "block_hit_rate": block_hit,
-        "request_hit_rate": request_hit,
-        "prompt_tokens": prompt_tokens,
-        "cached_tokens": cached,
-        "responses_without_cached_tokens": 0,
-    }
+    return results.RequestSummary(
+        requests=n, succeeded=n, failed=0, errors=(), duration_s=n / throughput,
+        throughput_rps=throughput, ttft_mean_s=ttft, ttft_p50_s=ttft, ttft_p90_s=ttft,
+        ttft_p99_s=2 * ttft, e2e_mean_s=ttft, e2e_p99_s=ttft, prompt_tokens=prompt_tokens,
+        cached_tokens=cached, token_hit_rate=cached / prompt_tokens, full_prompt_blocks=100,
+        loaded_blocks=int(100 * block_hit), block_hit_rate=block_hit, request_hit_rate=request_hit,
+        responses_without_cached_tokens=0,
+    )  # fmt: skip
 
 
 def test_tp8_arithmetic_and_verdict_and_figure(tmp_path):
     _, budget = _budget(mla_dedup.REGRESSION)
-    report = {
+    context = {
         "setup": mla_dedup.REGRESSION.to_dict(),
         "trace": {"prompt_tokens_mean": 600.0},
         "budget": budget,
-        "arms": {
-            "once": {"summary": _summary(0.5, 1.0, 0.75, 0.87, 6000, 4500), "hll_ceiling": 0.8},
-            "per_rank": {"summary": _summary(0.3, 2.0, 0.40, 0.54, 6000, 2400), "hll_ceiling": 0.8},
-        },
     }
-    report["comparison"] = mla_dedup.compare(
-        report["arms"]["once"]["summary"], report["arms"]["per_rank"]["summary"]
+    report = ab.ABReport("mla_dedup", context)
+    report.arms["once"] = ab.ArmReport(
+        "once", {}, _summary(0.5, 1.0, 0.75, 0.87, 6000, 4500), {"hll_ceiling": 0.8}
     )
-    assert np.isclose(report["comparison"]["throughput_gain"], 0.5 / 0.3 - 1)
-    assert np.isclose(report["comparison"]["block_hit_rate_gap"], 0.35)
-    tp8 = mla_dedup.tp8_arithmetic(report)
+    report.arms["per_rank"] = ab.ArmReport(
+        "per_rank", {}, _summary(0.3, 2.0, 0.40, 0.54, 6000, 2400), {"hll_ceiling": 0.8}
+    )
+    mla_dedup.EXPERIMENT.analyse(report)
+    assert np.isclose(report.comparison.throughput_gain, 0.5 / 0.3 - 1)
+    assert np.isclose(report.comparison.gap("block_hit_rate"), 0.35)
+    assert np.isclose(report.comparison.gap("request_hit_rate"), 0.33)
+    tp8 = report.sections["tp8"]
     # fewer per-rank hits at TP=8, so a larger estimated gain than at TP=2
-    assert tp8["throughput_gain_estimate"] > report["comparison"]["throughput_gain"]
+    assert tp8["throughput_gain_estimate"] > report.comparison.throughput_gain
     # the fitted cost model reproduces the two measured arms
     a, b = tp8["cost_model"]["seconds_per_request"], tp8["cost_model"]["seconds_per_computed_token"]
     assert np.isclose(1 / (a + b * 150), 0.5) and np.isclose(1 / (a + b * 360), 0.3)
@@ -106,13 +102,16 @@ def test_tp8_arithmetic_and_verdict_and_figure(tmp_path):
         "per_rank_tp2": 2 * ws,
         "per_rank_tp8": 8 * ws,
     }
-    ok, problems = mla_dedup.regression_verdict(report)
+    ok, problems = mla_dedup.COMPARISON.verdict(report)
     assert ok, problems
-    report["arms"]["per_rank"]["summary"]["block_hit_rate"] = 0.7
-    report["comparison"] = mla_dedup.compare(
-        report["arms"]["once"]["summary"], report["arms"]["per_rank"]["summary"]
+    assert mla_dedup.COMPARISON.compared_rates(report) == "block hit rate once 0.750 vs per rank 0.400"
+    report.arms["per_rank"].summary = _summary(0.3, 2.0, 0.70, 0.54, 6000, 2400)
+    mla_dedup.EXPERIMENT.analyse(report)
+    ok, problems = mla_dedup.COMPARISON.verdict(report)
+    assert not ok and problems[0].startswith(
+        "store-once block hit rate 0.75 is not 0.15 above per-rank's 0.7"
     )
-    ok, problems = mla_dedup.regression_verdict(report)
-    assert not ok and "not 0.15 above" in problems[0]
-    plots.mla_dedup_figure(report, tmp_path / "fig.png")
+    data = report.to_dict()
+    assert list(data) == ["experiment", "setup", "trace", "budget", "arms", "comparison", "tp8", "hll"]
+    plots.mla_dedup_figure(data, tmp_path / "fig.png")
     assert (tmp_path / "fig.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -30,22 +30,28 @@ def test_summary_hit_rates_and_latencies():
         rec(3, 100, 0, None, ok=False, start=3.0, e2e=0.5),
     ]
     s = results.summarize_requests(records, block_tokens=128)
-    assert (s["requests"], s["succeeded"], s["failed"]) == (4, 3, 1)
-    assert s["errors"] == ["StreamError: boom"]
-    assert s["duration_s"] == pytest.approx(4.0)
-    assert s["throughput_rps"] == pytest.approx(3 / 4.0)
-    assert s["ttft_mean_s"] == pytest.approx((1.0 + 0.2 + 0.4) / 3)
-    assert s["full_prompt_blocks"] == 8 and s["loaded_blocks"] == 3
-    assert s["block_hit_rate"] == pytest.approx(3 / 8)
-    assert s["request_hit_rate"] == pytest.approx(2 / 3)
-    assert s["token_hit_rate"] == pytest.approx(384 / 1120)
+    assert (s.requests, s.succeeded, s.failed) == (4, 3, 1)
+    assert s.errors == ("StreamError: boom",)
+    assert s.duration_s == pytest.approx(4.0)
+    assert s.throughput_rps == pytest.approx(3 / 4.0)
+    assert s.ttft_mean_s == pytest.approx((1.0 + 0.2 + 0.4) / 3)
+    assert s.full_prompt_blocks == 8 and s.loaded_blocks == 3
+    assert s.block_hit_rate == pytest.approx(3 / 8)
+    assert s.request_hit_rate == pytest.approx(2 / 3)
+    assert s.token_hit_rate == pytest.approx(384 / 1120)
     by = results.summarize_by(records, "instance", 128)
-    assert by["1"]["requests"] == 1 and by["0"]["requests"] == 3
+    assert by["1"].requests == 1 and by["0"].requests == 3
+    # the JSON form: field order as always written, and it reads back
+    assert list(s.to_dict())[:4] == ["requests", "succeeded", "failed", "errors"]
+    assert s.to_dict()["errors"] == ["StreamError: boom"]
+    assert results.RequestSummary.from_dict(s.to_dict()) == s
+    with pytest.raises(ValueError, match="not a request summary"):
+        results.RequestSummary.from_dict({**s.to_dict(), "extra": 1})
 
 
 def test_missing_usage_is_reported_not_hidden():
     s = results.summarize_requests([rec(0, 300, None, 0.1)], 128)
-    assert s["responses_without_cached_tokens"] == 1
+    assert s.responses_without_cached_tokens == 1
 
 
 def test_write_json_and_csv(tmp_path):

@@ -26,6 +26,7 @@ from pegaflow.server.endpoints import validation as check
 from pegaflow.server.engine import KVEngine
 from pegaflow.server.errors import DeadlineExceeded, EngineError, InvalidArgument, NotFound
 from pegaflow.server.gpu import rpc as gpu_rpc
+from pegaflow.server.metrics.model_names import SHOWN, ModelNames
 from pegaflow.server.metrics.registry import ServerMetrics
 from pegaflow.server.store.namespace import KvLayout
 from pegaflow.server.store.stats import EngineStats, scalar_fields
@@ -96,10 +97,14 @@ def add_engine_servicer(servicer: EngineServicer, server: grpc.Server) -> None:
     server.add_registered_method_handlers(service.full_name, handlers)  # as the generated code does
 
 
-def stats_response(stats: EngineStats) -> pb.GetStatsResponse:
-    """GetStats from the one definition of the statistics: proto fields have the EngineStats names."""
+def stats_response(stats: EngineStats, model_names: ModelNames = SHOWN) -> pb.GetStatsResponse:
+    """GetStats from the one definition of the statistics: proto fields have the EngineStats names.
+    ``model_names``: each namespace's model id as shown (its digest with --metrics-hide-models)."""
     resp = pb.GetStatsResponse(**{name: _uint(getattr(stats, name)) for name in _SCALAR_STATS})
-    resp.namespaces.extend(pb.NamespaceStats(**dataclasses.asdict(ns)) for ns in stats.namespaces)
+    for ns in stats.namespaces:
+        fields = dataclasses.asdict(ns)
+        fields["model_id"] = model_names(ns.model_id)
+        resp.namespaces.append(pb.NamespaceStats(**fields))
     for tier in stats.tiers:
         fields = dataclasses.asdict(tier)
         resp.tiers.append(
@@ -352,7 +357,8 @@ class EngineServicer(pb_grpc.EngineServicer):
 
     @_handler
     def GetStats(self, request: pb.GetStatsRequest, context, deadline: float) -> pb.GetStatsResponse:
-        resp = stats_response(self._engine.stats(deadline=deadline))
+        names = self._metrics.model_names if self._metrics is not None else SHOWN
+        resp = stats_response(self._engine.stats(deadline=deadline), names)
         if self._metrics is not None:
             measured, ceiling = self._metrics.window_rates()
             for name, value in measured.items():

@@ -29,12 +29,10 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import gc
 import json
 import logging
 import os
 import secrets
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -81,17 +79,8 @@ class GpuOptions:
     retire_timeout_s: float = 30.0
     # Enqueue copies through the driver holding the GIL (cuda_runtime.StreamCalls), else CuPy's calls.
     driver_calls: bool = True
-    # sys.setswitchinterval for the server process (None: leave it). A request thread that returns
-    # from a wait (the GPU, a socket) needs the GIL back; while another thread runs Python (the
-    # metrics feeder's bursts of 5-10 ms every 100 ms, measured on the H200 host) it gets it only
-    # when that thread is forced to switch, after the interval: 5 ms by default, 2-4 times per op
-    # in the slow runs (server/gpu/README.md). Only ever lowered, never raised.
-    switch_interval_s: float | None = 2e-4
-    # gc.freeze() once the data path is set up: everything the server holds by then (modules, CuPy,
-    # gRPC, the pool's mapping) leaves the cyclic collector's generations, so a full collection,
-    # which stops every thread, scans only what was made since. Measured: one save in ten stalled
-    # 16-32 ms inside an engine call at the same point of every run (server/gpu/README.md).
-    gc_freeze: bool = True
+    # The GIL switch interval and gc.freeze() the measured slow runs called for are set for the
+    # whole pegaflow-server process at start (server/runtime.py, tune_serving_process).
 
     def __post_init__(self) -> None:
         if self.copy_mode not in MODES:
@@ -127,14 +116,6 @@ class GpuDataPath:
     def __init__(self, engine: KVEngine, options: GpuOptions | None = None):
         self._engine = engine
         self.options = options or GpuOptions()
-        interval = self.options.switch_interval_s
-        if interval is not None and 0 < interval < sys.getswitchinterval():
-            log.info(
-                "gpu: GIL switch interval %.1f ms -> %.2f ms", sys.getswitchinterval() * 1e3, interval * 1e3
-            )
-            sys.setswitchinterval(interval)
-        if self.options.gc_freeze:
-            gc.freeze()
         pool = engine.pool_view()
         start = time.perf_counter()
         self._pinned = PinnedHostRegion(pool.ctypes.data, pool.nbytes)

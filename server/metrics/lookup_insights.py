@@ -12,7 +12,7 @@ gets) and a collector of the server's registry (``collect``). It owns no thread.
     insights.report_prefill(namespace_id, tokens, seconds)  # the engine's measured prefill cost (RPC)
 
 Exported (names are part of ops/grafana and ops/prometheus; cardinality: 5 factors x windows, and
-one series per namespace):
+one series per namespace; ``model`` is the id, or its digest with --metrics-hide-models):
   pegaflow_mrc_predicted_hit_rate{pool_factor, window}   LRU hit rate predicted at 0.25x .. 4x the pool
   pegaflow_mrc_sampling_rate                            SHARDS' current sampling rate R
   pegaflow_mrc_tracked_keys, pegaflow_mrc_memory_bytes  its bounded state
@@ -32,7 +32,8 @@ from collections.abc import Callable, Sequence
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pegaflow.server.metrics.miss_ratio_curve import POOL_FACTORS, MissRatioCurve
-from pegaflow.server.metrics.savings import PrefillSavings
+from pegaflow.server.metrics.model_names import SHOWN, ModelNames
+from pegaflow.server.metrics.savings import OVERFLOW, PrefillSavings
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +55,17 @@ class _NamespaceInfo:
 
 
 class LookupInsights:
-    def __init__(self, windows: dict[str, float], registry=None, mrc_options: dict | None = None):
-        """``registry``: a prometheus_client CollectorRegistry to register with (or None)."""
+    def __init__(
+        self,
+        windows: dict[str, float],
+        registry=None,
+        mrc_options: dict | None = None,
+        model_names: ModelNames = SHOWN,
+    ):
+        """``registry``: a prometheus_client CollectorRegistry to register with (or None);
+        ``model_names``: the model label as exported (model_names.py: the id, or its digest)."""
         self.windows = dict(windows)
+        self._model_names = model_names
         self._mrc_options = dict(mrc_options or {})
         self.mrc: MissRatioCurve | None = None
         self.savings = PrefillSavings()
@@ -164,7 +173,9 @@ class LookupInsights:
             ),
         }
         for s in self.savings.snapshot():
-            labels = [s.namespace_id, s.model_id]
+            # The overflow account's "model" is savings.OVERFLOW, no model's name: kept readable.
+            model = s.model_id if s.namespace_id == OVERFLOW else self._model_names(s.model_id)
+            labels = [s.namespace_id, model]
             families["served"].add_metric(labels, s.tokens_served)
             families["avoided"].add_metric(labels, s.seconds_avoided)
             families["unpriced"].add_metric(labels, s.unpriced_tokens)

@@ -22,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pegaflow.server.engine import EngineObserver, KVEngine
 from pegaflow.server.metrics.hll_ceiling import HitRateCeiling
 from pegaflow.server.metrics.lookup_insights import LookupInsights
+from pegaflow.server.metrics.model_names import SHOWN, ModelNames
 from pegaflow.server.metrics.windowed_rate import WindowedHitRate
 from pegaflow.server.store.stats import TIER_METRICS, metric_fields
 
@@ -38,8 +39,10 @@ MAX_KEYS_PER_ADD = 65_536
 class ServerMetrics(EngineObserver):
     """The engine's observer and the Prometheus registry of one server."""
 
-    def __init__(self, windows: dict[str, float]):
+    def __init__(self, windows: dict[str, float], model_names: ModelNames = SHOWN):
+        """``model_names``: how model ids appear in labels and GetStats (model_names.py)."""
         self.windows = dict(windows)
+        self.model_names = model_names
         self.registry = CollectorRegistry(auto_describe=False)
         self.rpc_duration = Histogram(
             "pegaflow_rpc_duration_seconds",
@@ -89,7 +92,7 @@ class ServerMetrics(EngineObserver):
         self._feeder = threading.Thread(target=self._feed_loop, name="pegaflow-metrics-feeder", daemon=True)
         self.registry.register(_EngineCollector(self))
         # Miss-ratio curve and savings: fed by the same feeder, exported by their own collector.
-        self.insights = LookupInsights(self.windows, self.registry)
+        self.insights = LookupInsights(self.windows, self.registry, model_names=model_names)
 
     def bind(self, engine: KVEngine) -> None:
         self._engine = engine
@@ -222,8 +225,9 @@ class _EngineCollector:
         ns_blocks = GaugeMetricFamily(
             "pegaflow_namespace_resident_blocks", "Sealed blocks per namespace", labels=["namespace", "model"]
         )
+        names = self._metrics.model_names
         for ns in stats.namespaces:
-            ns_blocks.add_metric([ns.namespace_id, ns.model_id], ns.resident_blocks)
+            ns_blocks.add_metric([ns.namespace_id, names(ns.model_id)], ns.resident_blocks)
         yield ns_blocks
         g = GaugeMetricFamily(
             "pegaflow_pool_prefault_seconds", "Time taken to allocate and pre-fault the pool at start"

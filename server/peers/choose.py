@@ -56,16 +56,26 @@ def make_transport(
     streams: int = DEFAULT_STREAMS,
     max_fetch_bytes: int = DEFAULT_MAX_FETCH_BYTES,
     local_pool: memoryview | None = None,
+    control_auth=None,
 ) -> Transport:
-    """The requester's transport; ``local_pool`` (the mapped pool) is needed for RDMA only."""
+    """The requester's transport; ``local_pool`` (the mapped pool) is needed for RDMA only;
+    ``control_auth`` (a common.auth.ClientAuth): what it presents to peers' control plane."""
     log.info("peer transport: %s", choice.reason)
     if choice.name == "rdma":
         from pegaflow.server.peers.rdma import RdmaTransport
 
         if local_pool is None:
             raise ValueError("the RDMA transport needs the local pool to register")
-        return RdmaTransport(choice.rdma_nics, local_pool, node_id=node_id, max_fetch_bytes=max_fetch_bytes)
-    return TcpTransport(streams=streams, node_id=node_id, max_fetch_bytes=max_fetch_bytes)
+        return RdmaTransport(
+            choice.rdma_nics,
+            local_pool,
+            node_id=node_id,
+            max_fetch_bytes=max_fetch_bytes,
+            control_auth=control_auth,
+        )
+    return TcpTransport(
+        streams=streams, node_id=node_id, max_fetch_bytes=max_fetch_bytes, control_auth=control_auth
+    )
 
 
 def make_responder(choice: TransportChoice, pool_view: memoryview):

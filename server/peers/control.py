@@ -12,11 +12,14 @@ an answer that breaks the contract (wrong column lengths, a bad transfer id) ->
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 
 import grpc
 
+from pegaflow.common.auth import AuthConfigError, ClientAuth
+from pegaflow.common.auth import channel as auth_channel
 from pegaflow.common.wire import peer_frames as frames
 from pegaflow.proto import peer_pb2, peer_pb2_grpc
 from pegaflow.server.peers.base import (
@@ -36,22 +39,54 @@ log = logging.getLogger(__name__)
 # peer configured for more blocks must not be cut off.
 MAX_MESSAGE_BYTES = 64 << 20
 _GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
+# Peers that refused our credentials (UNAUTHENTICATED): warned about once each, not once per pull,
+# until a handshake with them succeeds again. Bounded by the cluster's size.
+_refused_peers: set[str] = set()
+_refused_lock = threading.Lock()
+
+
+def _credentials_refused(peer: str, details: str) -> None:
+    with _refused_lock:
+        if peer in _refused_peers or len(_refused_peers) >= 4096:
+            return
+        _refused_peers.add(peer)
+    log.warning(
+        "peer %s refuses this node's credentials (%s): every pull from it is a miss until "
+        "--peer-auth-token-file (or --auth-token-file) matches its --auth-token-file",
+        peer,
+        details,
+    )
+
+
+def _credentials_accepted(peer: str) -> None:
+    if peer in _refused_peers:
+        with _refused_lock:
+            _refused_peers.discard(peer)
+        log.info("peer %s accepts this node's credentials again", peer)
 
 
 class ControlClient:
-    def __init__(self, peer: PeerAddress, counters: TransportCounters):
+    def __init__(self, peer: PeerAddress, counters: TransportCounters, auth: ClientAuth | None = None):
+        """``auth``: the token / TLS this node presents to peers (server/remote_access.py); None:
+        plaintext, no token. A peer refusing it answers UNAUTHENTICATED (PeerRefused) or, for TLS,
+        fails the handshake (PeerUnavailable): a miss either way, counted."""
         self.peer = peer
         self._counters = counters
-        self._channel = grpc.insecure_channel(
-            peer.control,
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                # A peer that died comes back on the same address: do not wait out a long backoff.
-                ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 2000),
-            ],
-        )
+        try:
+            self._channel = auth_channel(
+                peer.control,
+                auth=auth,
+                options=[
+                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                    # A peer that died comes back on the same address: do not wait out a long backoff.
+                    ("grpc.initial_reconnect_backoff_ms", 100),
+                    ("grpc.max_reconnect_backoff_ms", 2000),
+                ],
+            )
+        except AuthConfigError as exc:  # a credential file read at start has gone or gone bad since
+            counters.control_failed(BlockStatus.REFUSED)
+            raise PeerRefused("UNAUTHENTICATED", f"{peer.control}: our credentials: {exc}") from None
         self._stub = peer_pb2_grpc.PeerTransferStub(self._channel)
 
     def close(self) -> None:
@@ -76,6 +111,8 @@ class ControlClient:
             err = PeerUnavailable(BlockStatus.PEER_GONE, f"{where}: {exc.details()}")
         else:
             err = PeerRefused(code.name, f"{where}: {exc.details()}")
+            if code == grpc.StatusCode.UNAUTHENTICATED:
+                _credentials_refused(self.peer.control, exc.details())
         self._counters.control_failed(err.cause)
         return err
 
@@ -96,6 +133,7 @@ class ControlClient:
         response = self._call("Handshake", request, deadline)
         if not response.link_id:
             raise self._protocol("Handshake answered no link id")
+        _credentials_accepted(self.peer.control)
         return response
 
     def close_link(self, link_id: str, deadline: float) -> None:

@@ -6,7 +6,9 @@ peers pull from it, the metaserver publisher, and the remote source the engine a
     node.stop()                                           # before the engine closes
 
 Only built when ``--metaserver-addr`` is given; without it the server behaves exactly as a single
-node. The transport is chosen once (RDMA with usable ``--nics``, else TCP, one log line).
+node. The transport is chosen once (RDMA with usable ``--nics``, else TCP, one log line). The
+PeerTransfer service shares the server's gRPC server, hence its token check and TLS; what this node
+presents to its peers and to the metaserver comes from server/remote_access.py.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pegaflow.server.peers.choose import choose, make_responder, make_transport
 from pegaflow.server.peers.engine_source import EngineTransferSource
 from pegaflow.server.peers.remote_source import RemoteOptions, RemoteSource
 from pegaflow.server.peers.serve import PeerServeConfig, PeerServer
+from pegaflow.server.remote_access import metaserver_client_auth, peer_client_auth
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,7 @@ class PeerNode:
             streams=config.peer_streams,
             max_fetch_bytes=config.peer_max_fetch_bytes,
             local_pool=pool,
+            control_auth=peer_client_auth(config),  # peers check it on their --addr
         )
         server = PeerServer(
             EngineTransferSource(engine),
@@ -58,6 +62,7 @@ class PeerNode:
             node_id=advertised_addr,
             address=advertised_addr,
             snapshot=engine.dram_snapshot,
+            auth=metaserver_client_auth(config),
         )
         remote = RemoteSource(
             engine,

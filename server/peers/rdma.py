@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import NamedTuple, Protocol
 
+from pegaflow.common.auth import ClientAuth
 from pegaflow.common.wire.checksum import checksum
 from pegaflow.server.peers.base import (
     BlockStatus,
@@ -764,7 +765,10 @@ class RdmaTransport(Transport):
         max_read_bytes: int = DEFAULT_MAX_READ_BYTES,
         max_fetch_bytes: int = 64 << 30,
         counters: TransportCounters | None = None,
+        control_auth: ClientAuth | None = None,
     ):
+        """``control_auth``: what this node presents to peers' PeerTransfer (token, TLS; None: nothing)."""
+        self.control_auth = control_auth
         self.node_id = node_id
         self.window = window
         self.max_fetch_bytes = max_fetch_bytes
@@ -777,7 +781,7 @@ class RdmaTransport(Transport):
         self._lock = threading.Lock()
 
     def connect(self, peer: PeerAddress, deadline: float) -> RdmaPeerLink:
-        control = ControlClient(peer, self.counters)
+        control = ControlClient(peer, self.counters, self.control_auth)
         qps = [_VerbsQueuePair(nic, self.window) for nic in self._nics]
         try:
             ours = [qp.info() for qp in qps]

@@ -14,6 +14,11 @@ store's ``open_transfer`` does no I/O); the data plane has one accept thread and
 stream (tcp_serve.py); one reaper thread ends transfers and links past their TTL every
 ``reap_interval_s``.
 
+Who may call: ``add_to`` puts PeerTransfer on the server's own gRPC server, so the token check and
+TLS of ``--addr`` (common/auth.py, server/remote_access.py) guard it as they guard the Engine
+service. The data planes serve only transfers an authenticated OpenTransfer opened (16 random bytes
+each, frames.TRANSFER_ID_BYTES); their bytes are not encrypted (ARCHITECTURE.md, "Trust model").
+
 Every handler runs in common/rpc_handler.py's frame (deadline, error -> status code, INTERNAL
 for a bug, per-call metrics), so bad input is answered with a precise status and the node stays
 up. A transfer pins blocks in the store for at most ``ttl + ttl_grace_s`` even if the requester

@@ -37,6 +37,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 
+from pegaflow.common.auth import ClientAuth
 from pegaflow.common.wire import peer_frames as frames
 from pegaflow.common.wire.checksum import checksum
 from pegaflow.server.peers import sockets
@@ -569,9 +570,12 @@ class TcpTransport(Transport):
         node_id: str = "",
         max_fetch_bytes: int = DEFAULT_MAX_FETCH_BYTES,
         counters: TransportCounters | None = None,
+        control_auth: ClientAuth | None = None,
     ):
+        """``control_auth``: what this node presents to peers' PeerTransfer (token, TLS; None: nothing)."""
         if streams < 1:
             raise ValueError("streams must be at least 1")
+        self.control_auth = control_auth
         self.streams = streams
         self.node_id = node_id
         self.max_fetch_bytes = max_fetch_bytes
@@ -581,7 +585,7 @@ class TcpTransport(Transport):
         self._lock = threading.Lock()
 
     def connect(self, peer: PeerAddress, deadline: float) -> TcpPeerLink:
-        control = ControlClient(peer, self.counters)
+        control = ControlClient(peer, self.counters, self.control_auth)
         link = None
         try:
             hs = control.handshake("tcp", self.node_id, deadline)

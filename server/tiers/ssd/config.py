@@ -9,11 +9,15 @@ Defaults and why:
   the segment being filled at a crash is scanned whole at the next start (128 MiB at the disk's
   read rate: ~50 ms at 2.5 GB/s). 128 MiB keeps both small next to any useful capacity (≥ 8 GiB)
   and holds 63 blocks of 2 MiB; a 64 MiB block (the DRAM pool's largest) still fits.
-  Throughput does not depend on it (bench/ssd_bench.py: writes within a segment are sequential
-  whatever its size).
-* ``queue_depth`` 32: I/Os in flight per engine (all paths together). fio on the dev VM's
-  virtio disk gains nothing past ~16-32 in flight at 1-2 MiB; NVMe wants more only for small
-  blocks.
+  Throughput does not depend on it measurably (bench/ssd_bench.py segment_sweep, 32 / 128 /
+  512 MiB, 2 MiB blocks: write 1.88 / 2.01 / 1.44, read 1.41 / 1.49 / 1.52 GB/s, one pass each
+  on a disk whose own fio passes vary 1.1-2.4 GB/s): records within a segment are sequential
+  whatever its size.
+* ``queue_depth`` 32: I/Os in flight per engine, all paths together. On the dev VM's virtual
+  disk fio at 2 MiB shows no trend between 4 and 64 in flight (fio_queue_depth_sweep: 0.7-1.9
+  GB/s, noise), so the depth is set for real disks: a few NVMe drives sharing one engine, each
+  needing several MiB-sized I/Os in flight for its sequential bandwidth (reasoning, not
+  measured here).
 * ``max_queued`` 1024 requests queued or in flight before write/read raise TierFull (the mover
   counts a drop; bounded memory and latency instead of an unbounded backlog).
 * ``recovery_verify`` ``summary``: closed segments are recovered from their summaries without

@@ -5,10 +5,10 @@ A segment is ``segment_bytes`` of one lane file, filled front to back with block
 
     [segment header 4 KiB][record][record]...[free]...[summary (padded)][footer 4 KiB]
 
-* **Segment header** (offset 0): written when the segment is opened for a new generation, and
-  *completed before any record of that generation is submitted*. Recovery trusts a record only
-  if its generation equals its segment header's, so nothing of a previous fill of the segment
-  can come back once the segment was reopened.
+* **Segment header** (offset 0): written when the segment empties (or is first opened), with
+  its next generation, and *completed before any record of that generation is submitted*.
+  Recovery trusts a record only if its generation equals its segment header's, so nothing of
+  an earlier fill of the segment comes back once the header of the next one is on disk.
 * **Summary + footer** (the segment's last bytes): written when a sealed segment has no write
   pending, one vectored write. The footer (last 4 KiB) names the generation and the summary's
   length and checksum; the summary lists (offset, length, sequence, tag) of each record written

@@ -8,9 +8,9 @@ turns into engine ops outside the lock.
 
 Segments, per lane::
 
-    FREE --open (new generation; header write queued)--> OPEN --full / lane off--> SEALED
-      ^                                                                                  |
-      +------------- every extent freed, no segment I/O in flight ----------------------+
+    FREE --open--> OPEN --full / lane off--> SEALED
+      ^                                          |
+      +---- every extent freed (next generation; its header write queued) ----+
 
 * Each lane has at most one OPEN segment; ``allocate`` hands out extents round-robin over the
   lanes that can write (extent k of a call goes to the lane after extent k-1's), each from its
@@ -63,6 +63,7 @@ class Segment:
         "internal",
         "deferred",
         "summarized",
+        "needs_header",
     )
 
     def __init__(self, gid: int, lane: int, index: int):
@@ -83,15 +84,17 @@ class Segment:
         self.internal = 0  # segment-level writes in flight (header, summary)
         self.deferred: list = []  # a header write waiting for the previous generation's summary
         self.summarized = False
+        self.needs_header = True  # its next generation's header is not written yet
 
     def __repr__(self) -> str:
         return f"Segment(g={self.gid}, {self.state}, gen={self.generation:#x}, live={len(self.extents)})"
 
 
 class Space:
-    def __init__(self, lanes: int, segments_per_lane: int, segment_bytes: int):
+    def __init__(self, lanes: int, segments_per_lane: int, segment_bytes: int, new_generation):
         self.lanes = lanes
         self.segment_bytes = segment_bytes
+        self._new_generation = new_generation  # () -> int, unique and increasing
         self.segments = [Segment(g, g % lanes, g // lanes) for g in range(lanes * segments_per_lane)]
         self.free_queue: list[collections.deque[Segment]] = [collections.deque() for _ in range(lanes)]
         for seg in self.segments:
@@ -118,7 +121,7 @@ class Space:
 
     # -- allocate / free --------------------------------------------------------------------
 
-    def allocate(self, block_bytes: int, count: int, new_generation) -> list[Extent]:
+    def allocate(self, block_bytes: int, count: int) -> list[Extent]:
         span = record_bytes(block_bytes)
         if block_bytes <= 0 or span > self.max_record_bytes:
             raise ValueError(
@@ -131,7 +134,7 @@ class Space:
         lane = self._next_lane
         while len(out) < count and n_stalled < self.lanes:
             if not stalled[lane]:
-                seg = self._room(lane, span, new_generation)
+                seg = self._room(lane, span)
                 if seg is None:
                     stalled[lane] = True
                     n_stalled += 1
@@ -153,7 +156,15 @@ class Space:
     def _fits(self, seg: Segment, span: int) -> bool:
         return seg.cursor + span + summary_reserve(seg.count + 1) + BLOCK <= self.segment_bytes
 
-    def _room(self, lane: int, span: int, new_generation) -> Segment | None:
+    def _new_header(self, seg: Segment) -> None:
+        """Gives ``seg`` its next generation; the tier writes that header (event ``opened``)."""
+        seg.prev_generation = seg.generation
+        seg.generation = self._new_generation()
+        seg.header_ready = None  # None: being written; True: on disk; False: the write failed
+        seg.needs_header = False
+        self.opened.append(seg)
+
+    def _room(self, lane: int, span: int) -> Segment | None:
         seg = self.open[lane]
         if seg is not None and self._fits(seg, span):
             return seg
@@ -164,14 +175,12 @@ class Space:
             return None
         seg = queue.popleft()
         seg.state = OPEN
-        seg.prev_generation = seg.generation
-        seg.generation = new_generation()
+        if seg.needs_header:  # (else its next generation's header went out when it emptied)
+            self._new_header(seg)
         seg.cursor = BLOCK
         seg.count = 0
-        seg.header_ready = None  # None: being written; True: on disk; False: the write failed
         seg.summarized = False
         self.open[lane] = seg
-        self.opened.append(seg)
         return seg
 
     def _seal(self, seg: Segment) -> None:
@@ -183,13 +192,16 @@ class Space:
     def _settle(self, seg: Segment) -> None:
         """A sealed segment either needs its summary, or is empty and goes back to FREE.
 
-        An empty segment is reusable at once, even while its summary write is still in flight:
-        the tier holds the next generation's header write (and so every record write) until
-        the segment's earlier writes have completed (``Segment.deferred``)."""
+        An emptied segment gets its next generation's header at once: on disk it invalidates
+        every record the segment held (a restart does not bring freed blocks back), and the
+        segment's next fill need not wait for it. It is reusable at once, even while its
+        summary write is still in flight: the tier holds the header write (and so every record
+        write) until the segment's earlier writes have completed (``Segment.deferred``)."""
         if seg.state != SEALED or seg.pending:
             return
         if not seg.extents:
             seg.state = FREE
+            self._new_header(seg)
             self.free_queue[seg.lane].append(seg)
         elif not seg.summarized and any(e[0] == WRITTEN for e in seg.extents.values()):
             seg.summarized = True  # claimed: the summary write is about to be queued
@@ -314,6 +326,7 @@ class Space:
             seg.live_bytes = sum(record_bytes(r.payload_len) for r in f.records)
             self.used_bytes += seg.live_bytes
             seg.header_ready = True
+            seg.needs_header = True  # a FREE one gets a new generation when it is next opened
             if seg.extents:
                 seg.state = SEALED
                 seg.cursor = max(off + record_bytes(e[1]) for off, e in seg.extents.items())

@@ -131,11 +131,11 @@ class SsdTier(Tier):
         except BaseException:
             v.close()
             raise
-        self._space = Space(v.lane_count, v.segments_per_lane, v.segment_bytes)
+        self._generations = itertools.count((v.boot_epoch << 32) + 1)
+        self._space = Space(v.lane_count, v.segments_per_lane, v.segment_bytes, self._generations.__next__)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._stats = TierStats(name=self.name, capacity_bytes=v.capacity_bytes)
-        self._generations = itertools.count((v.boot_epoch << 32) + 1)
         self._sequences = itertools.count((v.boot_epoch << 40) + 1)
         self._outstanding = 0
         self._internal = 0
@@ -197,7 +197,7 @@ class SsdTier(Tier):
                 )
             if self._closing or self._health == TierHealth.OFF:
                 return []
-            extents = self._space.allocate(block_bytes, count, self._generations.__next__)
+            extents = self._space.allocate(block_bytes, count)
             ops = self._segment_ops_locked()
         if ops:
             self._engine.submit(ops)

@@ -318,6 +318,25 @@ def test_stale_records_of_a_reopened_segment_never_come_back(tmp_path, verify):
         tier.close()
 
 
+def test_blocks_of_an_emptied_segment_do_not_come_back(tmp_path):
+    """Emptying a segment writes its next generation's header at once, and a summary lists only
+    blocks live when it is written: after this clean stop no freed block comes back."""
+    arena = Arena(BLOCK, 9)
+    tier, _ = open_tier([tmp_path], 3 * MIB, segment_bytes=SEG)
+    ext = tier.allocate(BLOCK, 18)
+    tags = [b"b%02d" % i for i in range(18)]
+    assert write(tier, arena, ext[:9], tags[:9]) == [IoStatus.OK] * 9
+    assert write(tier, arena, ext[9:], tags[9:]) == [IoStatus.OK] * 9
+    tier.free(ext[:9])  # all of segment 0
+    tier.free(ext[9:10])  # one block of segment 1
+    tier.close()
+    tier, blocks = open_tier([tmp_path], 3 * MIB, segment_bytes=SEG)
+    try:
+        assert {b.tag for b in blocks} == set(tags[10:])
+    finally:
+        tier.close()
+
+
 def test_different_flags_reinitialise_with_one_log_line_and_never_misread(tmp_path, caplog):
     paths, where = _crash_state(tmp_path)
     with caplog.at_level(logging.WARNING):
