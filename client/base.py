@@ -74,8 +74,11 @@ class ClientBase:
         map_pool: bool = True,
         backoff: Backoff | None = None,
         auth: ClientAuth | None = None,
+        read_only: bool = False,
     ):
         """``map_pool=False`` skips fd passing (a remote or metadata-only client: no pool_view).
+        ``read_only``: a reader (vLLM's kv_consumer): the server passes a read-only pool fd, so the
+        pool view is read-only, and allocate / seal are refused (FailedPrecondition).
 
         Otherwise the pool fd is received at connect (its connection is the session's liveness
         signal) and the pool is mapped on the first ``pool_view``.
@@ -95,6 +98,7 @@ class ClientBase:
         self.timeout_s = timeout_s
         self.name = name
         self.map_pool = map_pool
+        self.read_only = read_only
         self._backoff = backoff or Backoff()
         self._lock = threading.Lock()  # guards _conn, _instances, _retired (never held across an await)
         self._conn: Connection | None = None
@@ -212,7 +216,9 @@ class ClientBase:
     # ------------------------------------------------------------- requests
 
     def _open_session_request(self) -> pb.OpenSessionRequest:
-        return pb.OpenSessionRequest(client_name=self.name, pid=os.getpid(), hostname=socket.gethostname())
+        return pb.OpenSessionRequest(
+            client_name=self.name, pid=os.getpid(), hostname=socket.gethostname(), read_only=self.read_only
+        )
 
     def _register_request(self, handle: InstanceHandle) -> pb.RegisterInstanceRequest:
         return pb.RegisterInstanceRequest(

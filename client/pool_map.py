@@ -75,6 +75,7 @@ class PoolMapping:
         self.epoch = epoch
         self.size_bytes = size_bytes
         self.hugepages = hugepages
+        self.read_only = False  # a reader's session: the fd is read-only, so is the mapping and the view
         self._sock: socket.socket | None = sock
         self._fd = fd  # -1 once mapped (the mapping holds the memfd) or released
         self._lock = threading.Lock()
@@ -113,6 +114,7 @@ class PoolMapping:
             if os.fstat(fds[0]).st_size < size:
                 raise ServerUnavailable("pool fd is smaller than the announced pool size")
             pool = cls(sock, fds.pop(), str(header["epoch"]), size, bool(header.get("hugepages", False)))
+            pool.read_only = bool(header.get("read_only", False))
         except ServerUnavailable:
             sock.close()
             raise
@@ -145,9 +147,8 @@ class PoolMapping:
             raise ServerUnavailable("pool mapping is released")
         if self._mapping is None:
             try:
-                mapping = mmap.mmap(
-                    self._fd, self.size_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
-                )
+                prot = mmap.PROT_READ if self.read_only else mmap.PROT_READ | mmap.PROT_WRITE
+                mapping = mmap.mmap(self._fd, self.size_bytes, flags=mmap.MAP_SHARED, prot=prot)
             except OSError as exc:
                 raise ServerUnavailable(f"cannot map the pool: {exc}") from exc
             os.close(self._fd)  # the mapping keeps its own reference to the memfd

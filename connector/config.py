@@ -9,6 +9,11 @@ Every key is optional:
                          engine step (default 200).
   load_timeout_ms        the most one step waits for its loads (lease RPC + copies);
                          loads that have not landed by then are recomputed (default 500).
+  max_lookup_wait_ms     the most a request waits, off the engine step, for blocks on their
+                         way into the server (promoted from its SSD tier, pulled from another
+                         node): vLLM is told "ask again" meanwhile, so the request waits and the
+                         batch does not; past it the request takes what is ready (default 3000;
+                         0: never wait).
   rpc_timeout_ms         deadline of calls off the step's path: connect, register, allocate,
                          seal, release, health probes (default 2000).
   retry_interval_s       longest wait between attempts to attach to, or re-probe, a server
@@ -69,6 +74,7 @@ class ConnectorConfig:
     server_addr: str  # "" in embedded mode: the address is published by rank 0
     lookup_timeout_s: float = 0.2
     load_timeout_s: float = 0.5
+    max_lookup_wait_s: float = 3.0
     rpc_timeout_s: float = 2.0
     retry_interval_s: float = 2.0
     max_pending_saves: int = 16
@@ -99,6 +105,7 @@ _MS_KEYS = {
     "lookup_timeout_ms": "lookup_timeout_s",
     "load_timeout_ms": "load_timeout_s",
     "rpc_timeout_ms": "rpc_timeout_s",
+    "max_lookup_wait_ms": "max_lookup_wait_s",
 }
 # key -> the ClientAuth field (common/auth.py) it sets
 _AUTH_KEYS = {
@@ -243,7 +250,9 @@ def load_config(extra: Mapping[str, Any] | None, env: Mapping[str, str] | None =
     else:
         kwargs["server_addr"] = server_addr_from_env(env)
     for key, field in _MS_KEYS.items():
-        if key in extra:
+        if key == "max_lookup_wait_ms" and extra.get(key) == 0:
+            kwargs[field] = 0.0  # never wait for blocks on their way
+        elif key in extra:
             kwargs[field] = _positive_float(key, extra[key]) / 1000.0
     if "retry_interval_s" in extra:
         kwargs["retry_interval_s"] = _positive_float("retry_interval_s", extra["retry_interval_s"])

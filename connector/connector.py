@@ -67,6 +67,9 @@ def _own_log_level() -> None:
 _own_log_level()
 
 
+_HIT_SOURCE = {"DRAM": CacheHitSource.HOST, "SSD": CacheHitSource.DISK, "REMOTE": CacheHitSource.P2P}
+
+
 class PegaKVConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.HOST
 
@@ -101,6 +104,7 @@ class PegaKVConnector(KVConnectorBase_V1):
             saves=transfer.is_kv_producer,
             # with async scheduling the output of step N is seen after step N+1 is built
             steps_in_flight=2 if vllm_config.scheduler_config.async_scheduling else 1,
+            max_wait_s=self._cfg.max_lookup_wait_s,
         )
         log.info(
             "pegaflow: scheduler connector for %s (lookup %.0f ms, load %.0f ms: "
@@ -147,6 +151,8 @@ class PegaKVConnector(KVConnectorBase_V1):
             # vLLM zeroes new blocks while it prepares a step for some caches (Mamba, mixed
             # precision): loads must then start after that, in start_load_kv
             early_loads=not getattr(kv_cache_config, "needs_kv_cache_zeroing", True),
+            # a pure consumer never writes a pool byte: its worker maps the pool read-only
+            read_only=not self._kv_transfer_config.is_kv_producer,
         )
 
     # ------------------------------------------------------------ handshake
@@ -211,6 +217,13 @@ class PegaKVConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         assert self._scheduler is not None
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int):
+        """vLLM's external hits split by tier: the server's DRAM (HOST), its SSD tier (DISK), another
+        node's DRAM (P2P), as the request's first lookup found each block."""
+        assert self._scheduler is not None
+        by_tier = self._scheduler.hit_sources(request, num_external_tokens)
+        return {_HIT_SOURCE.get(tier, CacheHitSource.HOST): n for tier, n in by_tier.items() if n}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None

@@ -27,8 +27,29 @@ from pegaflow.connector.trace import tracer
 log = logging.getLogger("vllm.pegaflow.connector.scheduler")
 _trace = tracer("scheduler")  # PEGAFLOW_TRACE: per-phase spans (trace.py); off by default
 
-# Number of leading hashes present in the store, or None when the store cannot say now.
-PrefixLookup = Callable[[Sequence[bytes]], "int | None"]
+
+@dataclasses.dataclass(frozen=True)
+class LookupAnswer:
+    """What the store said about a chain: ``ready`` leading blocks readable now; ``waiting`` when more
+    are on their way into the server's DRAM (promoted from its SSD, pulled from another node) or
+    being searched for on other nodes; ``sources`` where each found block was (the first lookup's
+    answer: pegaflow.client.Tier names "DRAM" / "SSD" / "REMOTE")."""
+
+    ready: int
+    waiting: bool = False
+    sources: tuple[str, ...] = ()
+
+
+# The store's answer for a chain (an int: that many ready blocks, nothing waiting), or None when it
+# cannot say now. ``poll=True``: a repeat for a chain an earlier call already asked about (the
+# server counts it as a load, not as new block requests).
+PrefixLookup = Callable[..., "LookupAnswer | int | None"]
+
+
+def _answer(value) -> LookupAnswer | None:
+    if value is None or isinstance(value, LookupAnswer):
+        return value
+    return LookupAnswer(int(value))
 
 
 @dataclasses.dataclass
@@ -39,6 +60,17 @@ class _Lookup:
     stored_blocks: int | None  # leading blocks in pegaflow, None when unknown
     num_hashes: int = 0  # how many block hashes were asked about
     at: float = 0.0  # when (monotonic seconds)
+    sources: tuple[str, ...] = ()  # per block, where the first lookup found it
+    waiting_since: float | None = None  # blocks were on their way since then (asked again later)
+    polled_at: float = 0.0
+
+
+# While blocks are on their way into the server's DRAM (from its SSD, from another node), vLLM is
+# told "ask again" ((None, False): the request waits, the batch does not). vLLM asks again every
+# engine step, which is a busy loop when nothing else runs, so the server is polled at most every
+# POLL_INTERVAL_S per request, and no request waits longer than the connector's max wait (then it
+# takes what is ready and computes the rest).
+POLL_INTERVAL_S = 0.004
 
 
 # vLLM asks again, every step, about a request it could not admit yet (no free KV blocks).
@@ -58,6 +90,8 @@ class _RequestState:
     pending_failed_ids: list[int] = dataclasses.field(default_factory=list)
     had_saves: bool = False
     saves_held_until: int = 0  # no saves planned before this step (see _plan_saves)
+    load_first_block: int = 0  # the planned load's first block (for hit_sources)
+    load_sources: tuple[str, ...] = ()
 
 
 class SchedulerConnector:
@@ -69,9 +103,12 @@ class SchedulerConnector:
         loads: bool,
         saves: bool,
         steps_in_flight: int = 1,
+        max_wait_s: float = 3.0,
     ):
         """steps_in_flight: engine steps scheduled before the output of a step is seen (1
-        without vLLM's async scheduling, 2 with it): how long saves wait after a load."""
+        without vLLM's async scheduling, 2 with it): how long saves wait after a load.
+        max_wait_s: the longest a request waits for blocks on their way into the server (from its
+        SSD, from another node) before it takes what is ready (0: never waits)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if steps_in_flight < 1:
@@ -88,8 +125,12 @@ class SchedulerConnector:
         self._finish_saves: list[BlockTransfer] = []  # saves of requests that just finished
         # counters for logs and tests
         self.metrics = StatsRecorder()  # vLLM's connector stats (stats.py), scheduler side
+        self.max_wait_s = max_wait_s
         self.lookups = 0
         self.lookups_reused = 0
+        self.lookups_waited = 0  # answered "ask again": blocks were on their way
+        self.lookups_polled = 0
+        self.waits_given_up = 0  # waited max_wait_s, then took what was ready
         self.hit_blocks = 0
         self.saved_blocks = 0
 
@@ -114,32 +155,57 @@ class SchedulerConnector:
             self._lookups[request.request_id] = _Lookup(local_blocks, None)
             return 0, False
         t0 = time.monotonic()
-        seen = self._lookups.get(request.request_id)
-        if (
+        rid = request.request_id
+        seen = self._lookups.get(rid)
+        sources: tuple[str, ...] = ()
+        waiting_since = None
+        if seen is not None and seen.waiting_since is not None and seen.num_hashes == len(hashes):
+            # blocks were on their way: ask again (as a load), at most every POLL_INTERVAL_S
+            if t0 - seen.polled_at < POLL_INTERVAL_S:
+                return None, False
+            answer = _answer(self._lookup(hashes, poll=True))
+            self.lookups_polled += 1
+            sources, waiting_since = seen.sources, seen.waiting_since
+            if answer is not None and answer.waiting and t0 - waiting_since < self.max_wait_s:
+                seen.polled_at = t0
+                return None, False
+            if answer is not None and answer.waiting:
+                self.waits_given_up += 1
+            stored = None if answer is None else answer.ready
+        elif (
             seen is not None
             and seen.stored_blocks is not None
             and seen.num_hashes == len(hashes)
             and t0 - seen.at < LOOKUP_REUSE_S
         ):
             stored = seen.stored_blocks  # a repeat for a request still waiting: same answer
+            sources = seen.sources
             self.lookups_reused += 1
         else:
             self.lookups += 1
             # ask for every full block: knowing the whole stored prefix also spares saving
             # blocks that are there already
-            stored = self._lookup(hashes)
+            answer = _answer(self._lookup(hashes))
+            stored = None if answer is None else answer.ready
             t1 = time.monotonic()
             self._count_lookup(len(hashes), stored, t1 - t0)
             if _trace.enabled:
-                _trace.span("lookup", t0, t1, req=request.request_id, blocks=len(hashes), stored=stored)
+                _trace.span("lookup", t0, t1, req=rid, blocks=len(hashes), stored=stored)
             log.debug(
-                "pegaflow: lookup of %d blocks for %s: %s stored (%.1f ms)",
+                "pegaflow: lookup of %d blocks for %s: %s stored%s (%.1f ms)",
                 len(hashes),
-                request.request_id,
+                rid,
                 stored,
+                ", more on their way" if answer is not None and answer.waiting else "",
                 (time.monotonic() - t0) * 1e3,
             )
-        self._lookups[request.request_id] = _Lookup(local_blocks, stored, len(hashes), t0)
+            if answer is not None:
+                sources = answer.sources
+                if answer.waiting and self.max_wait_s > 0:
+                    self._lookups[rid] = _Lookup(local_blocks, stored, len(hashes), t0, sources, t0, t0)
+                    self.lookups_waited += 1
+                    return None, False
+        self._lookups[rid] = _Lookup(local_blocks, stored, len(hashes), t0, sources)
         if stored is None:
             return 0, False
         loadable = min(stored, usable_blocks)
@@ -154,6 +220,27 @@ class SchedulerConnector:
         if stored is not None:  # a failed or skipped lookup is counted by the lookup itself
             m.add("lookup_blocks", asked)
             m.add("lookup_hit_blocks", min(stored, asked))
+
+    def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
+        """Tokens of the last planned load by where the first lookup found each block ("DRAM", "SSD",
+        "REMOTE"); what is unknown is "DRAM". Sums to ``num_external_tokens``."""
+        state = self._reqs.get(request.request_id)
+        load = state.pending_load if state is not None else None
+        if num_external_tokens <= 0:
+            return {}
+        first = state.load_first_block if state is not None else 0
+        sources = state.load_sources if state is not None else ()
+        out: dict[str, int] = {}
+        left = num_external_tokens
+        n_blocks = len(load.block_ids) if load is not None else -(-num_external_tokens // self.block_size)
+        for i in range(n_blocks):
+            source = sources[first + i] if first + i < len(sources) else "DRAM"
+            tokens = min(self.block_size, left)
+            out[source] = out.get(source, 0) + tokens
+            left -= tokens
+        if left > 0:
+            out["DRAM"] = out.get("DRAM", 0) + left
+        return out
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
@@ -189,6 +276,7 @@ class SchedulerConnector:
         state.pending_load = BlockTransfer(
             rid, list(block_ids[first:last]), [bytes(h) for h in request.block_hashes[first:last]]
         )
+        state.load_first_block, state.load_sources = first, seen.sources
         self.hit_blocks += n_load
         self.metrics.add("hit_tokens", num_external_tokens)
 
@@ -332,20 +420,28 @@ class ServerPrefixLookup:
         self._timeout_s = timeout_s
         self._metrics = metrics or StatsRecorder()
 
-    def __call__(self, hashes: Sequence[bytes]) -> int | None:
-        from pegaflow.client import errors
+    def __call__(self, hashes: Sequence[bytes], poll: bool = False) -> LookupAnswer | None:
+        """The chain's leading blocks every rank can load now, and whether more are on their way into
+        the server (``waiting``) for every rank. ``poll``: a repeat (counted by the server as a load)."""
+        from pegaflow.client import QueryPurpose, errors
 
         usable = self._link.usable()
         if usable is None:
             self._metrics.add("lookups_skipped")
             return None
         client, instances = usable
+        purpose = QueryPurpose.LOAD if poll else QueryPurpose.LOOKUP
         # one deadline for the whole lookup, however many ranks and batches it takes
         deadline = time.monotonic() + self._timeout_s
         n = len(hashes)
-        for inst in instances:
+        available = n  # ready or arriving on every rank
+        searching = False
+        sources: tuple[str, ...] = ()
+        for rank, inst in enumerate(instances):
             try:
-                n = min(n, self._leading_hits(client, inst, hashes[:n], deadline))
+                ready, arriving, rank_searching, found = self._leading_hits(
+                    client, inst, hashes[:available], deadline, purpose
+                )
             except errors.ServerUnavailable as exc:
                 self._link.report_failure(exc, "prefix lookup")
                 self._metrics.add("lookup_failures")
@@ -354,23 +450,39 @@ class ServerPrefixLookup:
                 log.warning("pegaflow: prefix lookup rejected: %s", exc)
                 self._metrics.add("lookup_failures")
                 return None
-            if n == 0:
+            n = min(n, ready)
+            available = min(available, ready + arriving)
+            searching = searching or rank_searching
+            if rank == 0:
+                sources = found
+            if available == 0 and not searching:
                 break
-        return n
+        # Worth waiting for only what would extend the prefix every rank can load now.
+        return LookupAnswer(n, available > n or searching, sources)
 
     @staticmethod
-    def _leading_hits(client: Any, inst: Any, hashes: Sequence[bytes], deadline: float) -> int:
+    def _leading_hits(client: Any, inst: Any, hashes: Sequence[bytes], deadline: float, purpose):
+        """(ready, arriving, searching, sources) of one rank's namespace, batch by batch."""
         from pegaflow.client import errors
         from pegaflow.connector.server_link import batches
 
-        total = 0
+        ready = arriving = 0
+        searching = False
+        sources: list[str] = []
         for chunk in batches(hashes, client):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise errors.DeadlineExceeded("prefix lookup: deadline passed")
-            hit = client.query_prefix(inst, chunk, lease=False, timeout_s=remaining)
+            hit = client.query_prefix(inst, chunk, lease=False, timeout_s=remaining, purpose=purpose)
             got = min(int(hit.num_hits), len(chunk))
-            total += got
-            if got < len(chunk):
+            pending = min(int(hit.pending), len(chunk) - got)
+            sources += [s.name for s in hit.sources[: got + pending]]
+            if arriving == 0:
+                ready += got
+            else:
+                arriving += got  # readable, but after blocks still arriving: not leading yet
+            arriving += pending
+            if got + pending < len(chunk):
+                searching = searching or hit.searching
                 break
-        return total
+        return ready, arriving, searching, tuple(sources)

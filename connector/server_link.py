@@ -47,6 +47,7 @@ class ServerLink:
         probe_timeout_s: float | None = None,
         map_pool: bool = True,
         auth: Any = None,
+        read_only: bool = False,
     ):
         """addr: "host:port", or a function that returns it once known (embedded mode).
         probe_timeout_s: how fast the server must answer a probe to be used again: the
@@ -56,6 +57,7 @@ class ServerLink:
         auth: the client's credentials (a common.auth.ClientAuth, ConnectorConfig.auth); None:
         the client reads PEGAFLOW_AUTH_* / PEGAFLOW_TLS_* itself."""
         self._resolve = addr if callable(addr) else (lambda: addr)
+        self._read_only = read_only  # a kv_consumer's worker: it maps the pool read-only
         self.addr = addr if isinstance(addr, str) else "<embedded>"
         self._map_pool = map_pool
         self._auth = auth
@@ -152,6 +154,7 @@ class ServerLink:
             name=self._client_name,
             map_pool=self._map_pool,
             auth=self._auth,
+            read_only=self._read_only,
         )
         try:
             client.connect()

@@ -236,12 +236,15 @@ class WorkerConnector:
         server_addr: Any = None,
         engine_id: str = "",
         early_loads: bool = True,
+        read_only: bool = False,
     ):
         """server_addr: "host:port" or a function returning it (embedded mode); default
         cfg.server_addr. engine_id names the embedded server of this engine. early_loads:
         start host-KV loads as the step begins (False when vLLM zeroes newly allocated blocks
-        while preparing the step: a copy landed before that would be wiped)."""
+        while preparing the step: a copy landed before that would be wiped). read_only: a
+        kv_consumer that never saves: its session maps the pool read-only."""
         self.cfg = cfg
+        self.read_only = read_only
         self.server_addr = server_addr or cfg.server_addr
         self.engine_id = engine_id
         self.embedded: Any = None  # the in-process server, on TP rank 0 in embedded mode
@@ -318,6 +321,7 @@ class WorkerConnector:
             retry_interval_s=self.cfg.retry_interval_s,
             probe_timeout_s=self.cfg.load_timeout_s,
             auth=self.cfg.auth,
+            read_only=self.read_only,
         )
         self.link.start()
 

@@ -43,7 +43,13 @@ from pegaflow.server.clients.registry import ClientRegistry
 from pegaflow.server.clients.saves import Save
 from pegaflow.server.clients.sessions import Session
 from pegaflow.server.config import ServerConfig
-from pegaflow.server.errors import Closed, DeadlineExceeded, InvalidArgument, ResourceExhausted
+from pegaflow.server.errors import (
+    Closed,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+)
 from pegaflow.server.movers.block_hasher import BlockHasher
 from pegaflow.server.movers.tier_io import TierMover
 from pegaflow.server.policy import make_policy
@@ -320,6 +326,7 @@ class KVEngine:
         expires: bool = True,
         deadline: float | None = None,
         trusted: bool = False,
+        read_only: bool = False,
     ) -> SessionInfo:
         """A new session. ``expires=False`` (in-process users) needs no heartbeat; close it explicitly.
         ``trusted``: the server's own in-process parts (the GPU data path), which act on instances of
@@ -328,6 +335,7 @@ class KVEngine:
             session = self._registry.open_session(
                 client_name, pid, hostname, time.monotonic(), expires, trusted
             )
+            session.read_only = read_only
         log.info("session %s opened: %r pid %d on %r", session.id, client_name, pid, hostname)
         return SessionInfo(
             session_id=session.id,
@@ -353,8 +361,14 @@ class KVEngine:
     def attach_session(self, session_id: str) -> dict:
         """A pool-fd connection of this session opened (fd broker). Returns the broker's header."""
         with self._locked(None):
-            self._live(session_id).attachments += 1
-        return {"epoch": self.epoch, "size_bytes": self.region.size_bytes, "hugepages": self.region.hugepages}
+            session = self._live(session_id)
+            session.attachments += 1
+        return {
+            "epoch": self.epoch,
+            "size_bytes": self.region.size_bytes,
+            "hugepages": self.region.hugepages,
+            "read_only": session.read_only,  # the broker passes a read-only fd then
+        }
 
     def detach_session(self, session_id: str) -> None:
         """A pool-fd connection closed: the client process is gone (or dropped the pool), end its session."""
@@ -567,6 +581,8 @@ class KVEngine:
         self._check_hashes(hashes)
         with self._locked(deadline):
             session = self._live(session_id)
+            if session.read_only:
+                raise FailedPrecondition(f"session {session_id} is read-only (a kv_consumer): it cannot save")
             if save_id:
                 self._registry.check_new_id(save_id, "save")
             namespace = self._registry.instance(session, instance_id).namespace
@@ -591,6 +607,7 @@ class KVEngine:
                 // block_bytes
             )
             statuses, offsets, _ = self._store.reserve(ns_index, block_bytes, hashes, save, deadline, room)
+            stale, save.stale_slots = save.stale_slots, []
             session.unsealed_bytes += len(offsets) * block_bytes
             if AllocStatus.REJECTED in statuses:
                 self.counters.quota_refusals += 1
@@ -601,6 +618,9 @@ class KVEngine:
             else:
                 # Nothing to write, so no seal will restate the chain: restate it now.
                 self._store.refresh_chain(ns_index, save.chain)
+        if stale:
+            # Off the lock: the slots are this save's (WRITING), nobody else reads or writes them.
+            self.dram.zero([(offset, block_bytes) for offset in stale])
         return AllocateResult(save_id, statuses, offsets, block_bytes, self.epoch)
 
     def seal_blocks(

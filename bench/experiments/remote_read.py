@@ -160,17 +160,20 @@ def run_pulls(setup: Setup, workdir: pathlib.Path, streams: int) -> dict:
 
 def connector_waits() -> tuple[bool, str]:
     """Whether PegaKVConnector waits for blocks its server is still searching for or pulling (so a
-    remote hit can serve a request's first lookup), read from its scheduler's source: it must read
-    the lookup answer's ``searching``. (The real proof is the measurement: "remote" loads the prompt.)"""
+    remote hit can serve a request's first lookup), read from its scheduler's source without importing
+    it: the scheduler must look at whether blocks are on their way (the server's ``searching`` /
+    ``pending``, which connector/scheduler.py calls ``waiting``). The real proof is the measurement:
+    the "remote" arm loads the prompt."""
     spec = importlib.util.find_spec("pegaflow.connector.scheduler")
     source = pathlib.Path(spec.origin).read_text() if spec and spec.origin else ""
     uses = {n.attr for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Attribute)}
-    if "searching" in uses:
-        return True, "connector/scheduler.py reads the lookup's `searching`: it waits for remote blocks"
+    if uses & {"searching", "waiting"}:
+        return True, "connector/scheduler.py waits while the server says blocks are on their way"
     return False, (
-        "PegaKVConnector does not wait for remote blocks yet (connector/scheduler.py never reads the lookup "
-        "answer's `searching` / `pending`): B's first request computes the prompt and the pull lands for the "
-        "next request, so a remote hit cannot serve vLLM's first lookup"
+        "PegaKVConnector does not wait for remote blocks yet (connector/scheduler.py never looks at "
+        "whether blocks are on their way: the server's `searching` / `pending`): B's first request "
+        "computes the prompt and the pull lands for the next request, so a remote hit cannot serve "
+        "vLLM's first lookup"
     )
 
 
@@ -260,7 +263,7 @@ def run_ttft(
             for entry, url in zip(out["vllm"], fleet.endpoints, strict=True):
                 entry["base_url"] = url
             say(f"TTFT: engines ready in {', '.join(f'{r:.1f}' for r in ready)} s")
-            loadgen.run_warmup(fleet.endpoints, cfgs[0].served_model_name)
+            loadgen.run_warmup(fleet.endpoints, cfgs[0].served_model_name, logprobs=setup.logprobs)
             for arm, instance in (("recompute", 0), ("remote", 1), ("local", 1)):
                 report.arms[arm] = ttft_arm(arm, instance, setup, cluster, fleet, trace, ready, ttft_dir)
                 ab.log_arm(report.arms[arm])
@@ -358,6 +361,10 @@ def ttft_analysis(report: ab.ABReport, setup_dict: dict) -> dict | None:
                 "tokens_identical": tokens["remote"] == tokens["recompute"] == tokens["local"]
                 and tokens["recompute"] is not None,
                 "logprobs_identical": logprobs["remote"] == logprobs["recompute"] == logprobs["local"],
+                "max_logprob_diff_to_recompute": max(
+                    (_logprob_diff(logprobs[arm], logprobs["recompute"]) for arm in ("remote", "local")),
+                    key=lambda v: -1.0 if v is None else v,
+                ),
             }
         )
     if not per_prompt:
@@ -379,6 +386,9 @@ def ttft_analysis(report: ab.ABReport, setup_dict: dict) -> dict | None:
         "remote_hit_used": remote_used,
         "tokens_identical": all(p["tokens_identical"] for p in per_prompt),
         "logprobs_identical": all(p["logprobs_identical"] for p in per_prompt),
+        "max_logprob_diff_to_recompute": max(
+            (p["max_logprob_diff_to_recompute"] or 0.0 for p in per_prompt), default=None
+        ),
         "b_fetched_blocks_during_remote": fetched.get("fetched_blocks"),
         "b_fetch_failures_during_remote": fetched.get("fetch_failures"),
     }
@@ -393,6 +403,14 @@ def ttft_analysis(report: ab.ABReport, setup_dict: dict) -> dict | None:
             + (report.sections.get("ttft", {}).get("connector_waits_reason") or "")
         )
     return out
+
+
+def _logprob_diff(got: list[dict] | None, want: list[dict] | None) -> float | None:
+    """The largest |logprob difference| over the tokens both top-N lists name, None when not comparable."""
+    if not got or not want or len(got) != len(want):
+        return None
+    diffs = [abs(g[k] - w[k]) for g, w in zip(got, want, strict=True) for k in g.keys() & w.keys()]
+    return max(diffs) if diffs else None
 
 
 def _ratio(a, b) -> float | None:

@@ -105,11 +105,15 @@ def run_trace(
     return LoadResult(records, summary, exit_code, out_dir)
 
 
-def run_warmup(endpoints: list[str], model_name: str, timeout_s: float = 120.0) -> None:
+def run_warmup(endpoints: list[str], model_name: str, timeout_s: float = 120.0, logprobs: int = 0) -> None:
     """One short request per instance: a fresh vLLM's first request pays one-time lazy init
     (0.1 - 10 s), which must not land on the first measured request. The prompt is shorter than
-    one KV block, so it leaves nothing in any cache."""
-    body = json.dumps({"model": model_name, "prompt": [11, 12, 13, 14], "max_tokens": 2, "temperature": 0.0})
+    one KV block, so it leaves nothing in any cache. `logprobs`: ask for them too, when the measured
+    requests will (the first request with logprobs compiles vLLM's sampler kernels: ~20 s here)."""
+    request = {"model": model_name, "prompt": [11, 12, 13, 14], "max_tokens": 2, "temperature": 0.0}
+    if logprobs:
+        request.update(logprobs=logprobs, return_tokens_as_token_ids=True, return_token_ids=True)
+    body = json.dumps(request)
     for endpoint in endpoints:
         req = urllib.request.Request(
             f"{endpoint}/v1/completions", data=body.encode(), headers={"Content-Type": "application/json"}

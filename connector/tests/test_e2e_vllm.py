@@ -27,7 +27,7 @@ from pegaflow.connector.tests.e2e_support import (
     wait_stored,
     warm_up,
 )
-from pegaflow.server.testing import ServerProcess
+from pegaflow.server.testing import ServerProcess, wait_for
 from pegaflow.tools.vllm_cpu.tiny_model import TinyModelSpec, ensure_tiny_model
 
 pytestmark = pytest.mark.timeout(900)
@@ -49,7 +49,21 @@ def fleet(models, tmp_path_factory):
     model_a, model_b = models
     work = tmp_path_factory.mktemp("fleet")
     cache = work / "vllm-cache"  # shared: the sampler kernels compile once
-    server = ServerProcess(work / "pegaflow", pool_size="512mb").start()
+    # with an SSD tier (the default second-sighting placement: a block reaches it at its first reuse)
+    ssd = work / "ssd"
+    ssd.mkdir()
+    server = ServerProcess(
+        work / "pegaflow",
+        pool_size="512mb",
+        extra_args=[
+            "--ssd-cache-path",
+            str(ssd),
+            "--ssd-cache-capacity",
+            "1gb",
+            "--ssd-segment-size",
+            "32mb",
+        ],
+    ).start()
     stats = PegaClient(server.addr, timeout_s=10.0, name="e2e-stats", map_pool=False)
     procs = {}
     try:
@@ -211,3 +225,49 @@ def test_d_vllms_own_metrics_count_the_connectors_lookups_loads_and_saves(fleet)
         "save_failures",
     ):
         assert cold[failure] == warm[failure] == 0, failure
+
+
+def test_e_blocks_dram_evicted_come_back_from_the_ssd_tier_with_the_reference_tokens(fleet):
+    """Issue 11: a prompt's blocks reach the SSD tier at their first reuse; other blocks then push
+    them out of the DRAM pool; the next request gets them promoted from SSD (vLLM is told to ask
+    again while they arrive, the batch never waits), reported as DISK hits, and its tokens are
+    those of vLLM's own prefix-cache hit on the same prompt."""
+    import numpy as np
+
+    from pegaflow.client import KvLayout as Layout
+    from pegaflow.client import write_blocks
+
+    a1, ref, stats, server = fleet["a1"], fleet["ref"], fleet["stats"], fleet["server"]
+    loaded_tokens = loadable_tokens(a1, PROMPT_TOKENS)
+    p = prompt(505)
+    before = stats.stats().resident_blocks
+    ask(a1, p)  # cold: computed and saved
+    wait_stored(stats, before + full_blocks(a1, PROMPT_TOKENS, MAX_TOKENS))
+    _, hits, _ = ask(a1, p)  # its first reuse: a DRAM hit, and the blocks are written to SSD
+    assert hits == loaded_tokens
+    wait_for(
+        lambda: stats.stats().ssd_blocks >= loaded_tokens // a1.metrics().block_size,
+        60,
+        what="written to SSD",
+    )
+    # another model's blocks, 3x the pool, push every block of the prompt out of DRAM
+    with PegaClient(server.addr, timeout_s=30.0, name="e2e-filler") as filler:
+        layout = Layout(model_id="filler", model_fingerprint="f", dtype="bf16", layout="t",
+                        block_tokens=16, block_bytes=4 << 20, num_layers=1, tp_size=1, tp_rank=0,
+                        mla=False, extra="")  # fmt: skip
+        inst = filler.register_instance(layout)
+        row = np.zeros(4 << 20, dtype=np.uint8)
+        for i in range(3 * 512 // 4 // 16):
+            batch = filler.allocate(inst, [f"fill-{i}-{j}".encode() for j in range(16)])
+            write_blocks(filler.pool_view(batch.epoch), batch.allocations, [row] * 16)
+            if batch.save_id:
+                filler.seal(batch.save_id)
+    m0 = a1.metrics()
+    warm, hits, _ = ask(a1, p)
+    m1 = a1.metrics()
+    assert hits == loaded_tokens  # every full block came back
+    assert m1.cached_tokens_by_source("disk") - m0.cached_tokens_by_source("disk") == loaded_tokens
+    assert stats.stats().promoted_blocks >= loaded_tokens // a1.metrics().block_size
+    ref.complete(p, max_tokens=4, logprobs=5)
+    ref_warm = ref.complete(p, max_tokens=4, logprobs=5)  # vLLM's own prefix-cache hit
+    assert_same_output(warm, ref_warm)

@@ -362,3 +362,77 @@ def test_prompt_saves_carry_the_chain_before_them_and_output_blocks_do_not():
     meta = conn.build_meta(step(cached=[("q", None, 1023)], scheduled={"q": 1}))
     (save,) = meta.saves
     assert save.block_ids == [27] and save.head_block_ids == [] and save.head_hashes == []
+
+
+class ArrivingStore:
+    """A chain whose blocks are on their way into the server: the first answers say waiting, with
+    ``ready`` blocks readable; after ``arrive_after`` calls every block is ready."""
+
+    def __init__(self, ready: int, total: int, arrive_after: int, sources=("DRAM",)):
+        self.ready, self.total, self.arrive_after = ready, total, arrive_after
+        self.sources = sources
+        self.calls: list[bool] = []  # the poll flag of each call
+
+    def __call__(self, hashes, poll=False):
+        from pegaflow.connector.scheduler import LookupAnswer
+
+        self.calls.append(poll)
+        n = min(self.total, len(hashes))
+        src = tuple(self.sources[i % len(self.sources)] for i in range(n))
+        if len(self.calls) <= self.arrive_after:
+            return LookupAnswer(self.ready, True, src)
+        return LookupAnswer(n, False, src)
+
+
+def test_blocks_on_their_way_make_vllm_ask_again_and_are_polled_as_loads(monkeypatch):
+    import pegaflow.connector.scheduler as sched
+
+    clock = [100.0]
+    monkeypatch.setattr(sched.time, "monotonic", lambda: clock[0])
+    store = ArrivingStore(ready=0, total=5, arrive_after=2, sources=("SSD",))
+    s = SchedulerConnector(block_size=BS, lookup=store, loads=True, saves=False)
+    r = request("a", 6 * BS + 10)
+    assert s.get_num_new_matched_tokens(r, 0) == (None, False)  # the first lookup: counted
+    assert s.get_num_new_matched_tokens(r, 0) == (None, False)  # within the poll interval: no call
+    assert store.calls == [False]
+    clock[0] += 0.01
+    assert s.get_num_new_matched_tokens(r, 0) == (None, False)  # a poll, still waiting
+    clock[0] += 0.01
+    assert s.get_num_new_matched_tokens(r, 0) == (5 * BS, False)  # arrived
+    assert store.calls == [False, True, True]
+    assert s.lookups == 1 and s.lookups_waited == 1 and s.lookups_polled == 2
+    s.update_state_after_alloc(r, blocks(range(7)), 5 * BS)
+    assert s.hit_sources(r, 5 * BS) == {"SSD": 5 * BS}
+
+
+def test_a_request_waits_no_longer_than_the_max_wait_then_takes_what_is_ready(monkeypatch):
+    import pegaflow.connector.scheduler as sched
+
+    clock = [0.0]
+    monkeypatch.setattr(sched.time, "monotonic", lambda: clock[0])
+    store = ArrivingStore(ready=2, total=5, arrive_after=10**6)  # never arrives
+    s = SchedulerConnector(block_size=BS, lookup=store, loads=True, saves=False, max_wait_s=0.5)
+    r = request("b", 6 * BS + 10)
+    assert s.get_num_new_matched_tokens(r, 0) == (None, False)
+    for _ in range(10):
+        clock[0] += 0.04
+        assert s.get_num_new_matched_tokens(r, 0) == (None, False)
+    clock[0] += 0.2
+    assert s.get_num_new_matched_tokens(r, 0) == (2 * BS, False)
+    assert s.waits_given_up == 1
+
+
+def test_hit_sources_split_a_load_by_where_each_block_was_found():
+    store = ArrivingStore(ready=6, total=6, arrive_after=0, sources=("DRAM", "DRAM", "SSD", "REMOTE"))
+    s = SchedulerConnector(block_size=BS, lookup=store, loads=True, saves=False)
+    r = request("c", 6 * BS + 10)
+    assert s.get_num_new_matched_tokens(r, 0) == (6 * BS, False)
+    s.update_state_after_alloc(r, blocks(range(7)), 6 * BS)
+    # blocks 0..5 were DRAM, DRAM, SSD, REMOTE, DRAM, DRAM
+    assert s.hit_sources(r, 6 * BS) == {"DRAM": 4 * BS, "SSD": BS, "REMOTE": BS}
+
+
+def test_without_waiting_a_waiting_answer_is_taken_as_it_is():
+    store = ArrivingStore(ready=3, total=5, arrive_after=10**6)
+    s = SchedulerConnector(block_size=BS, lookup=store, loads=True, saves=False, max_wait_s=0.0)
+    assert s.get_num_new_matched_tokens(request("d", 6 * BS + 10), 0) == (3 * BS, False)

@@ -23,6 +23,7 @@ class Save:
         "created_at",
         "expires_at",
         "sealed_bytes",
+        "stale_slots",
     )
 
     def __init__(
@@ -45,3 +46,5 @@ class Save:
         self.created_at = now
         self.expires_at = now + timeout_s
         self.sealed_bytes = 0
+        # Granted slots that last held another namespace's block: zeroed before the answer goes out.
+        self.stale_slots: list[int] = []

@@ -26,6 +26,7 @@ class Session:
         "saves",
         "leased_bytes",
         "unsealed_bytes",
+        "read_only",
     )
 
     def __init__(
@@ -46,6 +47,7 @@ class Session:
         # What the session holds right now, against its quotas (review finding F8).
         self.leased_bytes = 0  # bytes of blocks its leases pin
         self.unsealed_bytes = 0  # bytes granted to its saves and not sealed yet
+        self.read_only = False  # a reader: a read-only pool fd, no saves
 
 
 class SessionTable:

@@ -24,6 +24,7 @@ EMFILE back-off are the ones the other local endpoints use (unix_socket.py). Bou
 from __future__ import annotations
 
 import logging
+import os
 import selectors
 import socket
 import struct
@@ -91,6 +92,7 @@ class FdBroker:
     ):
         self.path = path
         self._fd = fd
+        self._ro_fd = -1  # the pool reopened read-only, for readers (opened on first use)
         self._attach = attach
         self._detach = detach
         self.handshake_timeout_s = handshake_timeout_s
@@ -135,6 +137,9 @@ class FdBroker:
         self._listener.close()
         self._wake_r.close()
         self._wake_w.close()
+        if self._ro_fd >= 0:
+            os.close(self._ro_fd)
+            self._ro_fd = -1
         unlink_if_ours(self.path, self._identity)
 
     @property
@@ -261,10 +266,18 @@ class FdBroker:
         log.debug("fd broker: session %s attached from pid %d uid %d", session_id, conn.peer[0], conn.peer[1])
         try:
             # The handshake's answer is small and the client waits for it: its buffer has room.
-            socket.send_fds(conn.sock, [wire.encode_header(header)], [self._fd], socket.MSG_DONTWAIT)
+            fd = self._read_only_fd() if header.get("read_only") else self._fd
+            socket.send_fds(conn.sock, [wire.encode_header(header)], [fd], socket.MSG_DONTWAIT)
         except OSError as exc:
             log.info("fd broker: could not send the pool fd to session %s: %s", session_id, exc)
             self._drop(conn, notify=True)
+
+    def _read_only_fd(self) -> int:
+        """The pool reopened read-only (through /proc/self/fd): a reader's mapping of it cannot be
+        writable (mmap with PROT_WRITE and MAP_SHARED fails with EACCES), whatever the client does."""
+        if self._ro_fd < 0:
+            self._ro_fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC)
+        return self._ro_fd
 
     def _refuse(self, conn: _Conn, reason: str) -> None:
         self._refusals.warning("fd broker: refusing a connection: %s", reason)

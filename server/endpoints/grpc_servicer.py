@@ -158,7 +158,9 @@ class EngineServicer(pb_grpc.EngineServicer):
     def OpenSession(self, request: pb.OpenSessionRequest, context, deadline: float) -> pb.OpenSessionResponse:
         client_name = check.name(request.client_name, "client_name")
         hostname = check.name(request.hostname, "hostname")
-        info = self._engine.open_session(client_name, request.pid, hostname, deadline=deadline)
+        info = self._engine.open_session(
+            client_name, request.pid, hostname, deadline=deadline, read_only=request.read_only
+        )
         cfg = self._config
         return pb.OpenSessionResponse(
             session_id=info.session_id,

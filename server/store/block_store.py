@@ -121,6 +121,10 @@ class BlockStore:
         # left, drained by the engine after its lock (peers only read DRAM copies: only those count).
         self.publishing = False
         self.published: list[tuple[bool, int, bytes]] = []
+        # The namespace whose block a DRAM slot last held. A slot granted to another namespace is
+        # zeroed before the writer gets it (off the lock, by the engine), so a writer that seals
+        # without writing exposes zeros, never another namespace's bytes (review finding F2).
+        self._slot_owner: dict[int, int] = {}
 
     # ============================================================== save path
 
@@ -167,10 +171,14 @@ class BlockStore:
             del save.pending[block_hash]
             self.counters.no_space_blocks += 1
         add = self.index.add_writing
+        owners = self._slot_owner
         for block_hash, offset in zip(new_hashes, offsets, strict=False):
             entry = add((ns_index, block_hash), block_bytes, offset, save.id)
             entry.held = True  # the allocation held its slab
             save.pending[block_hash] = entry
+            if owners.get(offset, ns_index) != ns_index:
+                save.stale_slots.append(offset)
+            owners[offset] = ns_index
         return statuses, offsets, stored
 
     def seal(self, save, sealing: dict[bytes, BlockEntry]) -> tuple[int, IoBatch | None]:

@@ -579,3 +579,24 @@ def test_one_session_cannot_pin_or_reserve_the_whole_pool(engine):
     assert save(engine, honest, honest_iid, hashes(half // 2, "more")).count(AllocStatus.GRANTED) == half // 2
     engine.release_lease(hog, lease.lease_id)
     assert engine.query_prefix(hog, hog_iid, hashes(4, "stored"), lease=True).num_hits == 4
+
+
+def test_a_slot_another_namespace_held_is_zeroed_before_it_is_granted():
+    """Review finding F2: a writer that seals without writing must never expose another namespace's
+    old bytes; its own namespace's slots are reused as they are (no cost in the common case)."""
+    eng = KVEngine(ServerConfig(pool_size_bytes=8 * MIB, http_addr=None, slab_bytes=4 * MIB))
+    try:
+        sid = eng.open_session("t").session_id
+        victim = eng.register_instance(sid, layout(model_id="victim")).instance_id
+        other = eng.register_instance(sid, layout(model_id="other")).instance_id
+        capacity = eng.allocator.total_slabs * (eng.allocator.slab_bytes // BLOCK)
+        save(eng, sid, victim, hashes(capacity, "secret"), fill=0xAB)
+        res = eng.allocate_blocks(sid, other, hashes(8, "lazy"))  # evicts the victim's blocks
+        view = eng.pool_view()
+        for loc in res.locations:
+            assert not view[loc.offset : loc.offset + loc.length].any()
+        eng.seal_blocks(sid, res.save_id)  # sealed without writing: zeros, not the victim's bytes
+        hit = eng.query_prefix(sid, other, hashes(8, "lazy"))
+        assert hit.num_hits == 8 and not any(view[o : o + BLOCK].any() for o in hit.offsets)
+    finally:
+        eng.close()

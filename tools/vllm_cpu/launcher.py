@@ -104,6 +104,10 @@ class VllmMetrics:
     def prompt_tokens_by_source(self, source: str) -> float:
         return self.value("vllm:prompt_tokens_by_source_total", source=source)
 
+    def cached_tokens_by_source(self, source: str) -> float:
+        """Prefix-cache hit tokens by the tier that supplied them: device, host, disk, p2p, ..."""
+        return self.value("vllm:prompt_tokens_cached_by_source_total", source=source)
+
     def label(self, name: str, label: str) -> str | None:
         """The value of ``label`` on the first sample of ``name`` (an info gauge), None if absent."""
         for (n, labels), _ in self.samples.items():

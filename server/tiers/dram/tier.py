@@ -11,6 +11,7 @@ reaches the allocator directly (``allocator``), because choosing which blocks to
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from concurrent.futures import Future
 
@@ -60,6 +61,13 @@ class DramTier(Tier):
 
     def pool_view(self) -> np.ndarray:
         return self._view
+
+    def zero(self, slots: Sequence[tuple[int, int]]) -> None:
+        """Zeroes ``(offset, length)`` slots with libc memset through ctypes (a CFUNCTYPE call: the GIL
+        is released, where numpy's fill would hold it for the whole of a large batch)."""
+        base = self._view.ctypes.data
+        for offset, length in slots:
+            ctypes.memset(base + offset, 0, length)
 
     def write(self, requests: Sequence[WriteRequest]) -> Future[list[IoStatus]]:
         for r in requests:

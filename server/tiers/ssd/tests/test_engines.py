@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from pegaflow.server.tiers.ssd.engines import open_engine, uring_binding
+from pegaflow.server.tiers.ssd.engines import AUTO_PREFERENCE, open_engine, uring_binding
 from pegaflow.server.tiers.ssd.engines.threads import ThreadEngine
 
 
@@ -27,7 +27,7 @@ def test_a_probe_that_dies_falls_back_to_threads_with_one_log_line(tmp_path, mon
     monkeypatch.setattr(uring_binding, "_CHILD", "import os, signal; os.kill(os.getpid(), signal.SIGILL)")
     monkeypatch.setattr(uring_binding, "_probe_cache", {})
     with caplog.at_level(logging.WARNING):
-        engine = open_engine("auto", 4, str(tmp_path))
+        engine = open_engine("io_uring", 4, str(tmp_path))
     try:
         assert isinstance(engine, ThreadEngine)
         lines = [r.getMessage() for r in caplog.records if "io_uring is unavailable" in r.getMessage()]
@@ -43,9 +43,12 @@ def test_a_probe_that_hangs_is_given_up(tmp_path, monkeypatch):
     assert why is not None and "did not finish" in why
 
 
-def test_io_engine_threads_never_probes(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["threads", "auto"])  # auto = threads: measured faster here
+def test_the_thread_pool_needs_no_probe(tmp_path, monkeypatch, kind):
+    if kind == "auto" and AUTO_PREFERENCE != "threads":
+        pytest.skip("auto prefers io_uring")
     monkeypatch.setattr(uring_binding, "probe", lambda *a, **k: pytest.fail("probed"))
-    engine = open_engine("threads", 2, str(tmp_path))
+    engine = open_engine(kind, 2, str(tmp_path))
     assert engine.name == "threads"
     engine.close()
 
