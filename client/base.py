@@ -215,6 +215,12 @@ class ClientBase:
 
     # ------------------------------------------------------------- requests
 
+    @property
+    def session_ttl_s(self) -> float:
+        """The current session's TTL (what silence ends it after); 0.0 while not connected."""
+        conn = self._conn
+        return conn.ttl_s if conn is not None else 0.0
+
     def _open_session_request(self) -> pb.OpenSessionRequest:
         return pb.OpenSessionRequest(
             client_name=self.name, pid=os.getpid(), hostname=socket.gethostname(), read_only=self.read_only

@@ -80,6 +80,22 @@ def _kv_transfer_cores() -> list[int]:
 _UNIT_BYTES = 2 << 20
 
 
+# A test hook (connector/tests/test_e2e_failover.py): while the file this names exists, a host-KV
+# load pauses after taking its leases and before copying (it writes "<file>.leased" first), so a
+# test can stop the process at that point. Unset in production: one os.environ lookup at import.
+_PAUSE_AFTER_LEASE = os.environ.get("PEGAFLOW_TEST_PAUSE_AFTER_LEASE", "")
+
+
+def _failpoint_pause_after_lease() -> None:
+    if not _PAUSE_AFTER_LEASE or not os.path.exists(_PAUSE_AFTER_LEASE):
+        return
+    with open(_PAUSE_AFTER_LEASE + ".leased", "w") as f:
+        f.write(str(os.getpid()))
+    give_up = time.monotonic() + 120
+    while os.path.exists(_PAUSE_AFTER_LEASE) and time.monotonic() < give_up:
+        time.sleep(0.01)
+
+
 class _LoadJob:
     """One step's loads. Work in order: the lease RPCs (whoever claims them first: the load
     thread, started as the step begins, or vLLM's step thread if it gets there first), then
@@ -112,6 +128,7 @@ class _LoadJob:
         # timings for the debug log and the stats (monotonic seconds)
         self.t_submit = time.monotonic()
         self.t_leased = 0.0
+        self.t_lease_asked = 0.0  # when the first lease was asked for: a lease's age counts from here
         self.t_landed = 0.0
         self.waited_s = 0.0  # how long the step thread waited for the other thread
         self.stall_s = 0.0  # the step thread's whole time on this job: lease, own copies, waits
@@ -483,9 +500,15 @@ class WorkerConnector:
         landed = job.close()  # nothing may land after the step
         job.finish()
         leases = job.take_leases()
-        if leases:
+        lease_lost = False
+        if leases and self._lease_may_have_lapsed(job):
+            # The copies ran long after the lease was taken (this process was stopped or starved
+            # past the session TTL?): the server may have ended the lease and reused the slots
+            # while they were read. Ask it before the bytes are trusted (issue 12, item 3).
+            lease_lost = not self._release_verified(leases, job.landed_bytes)
+        elif leases:
             self._housekeeping.submit(self._release, leases, job.landed_bytes)
-        complete = self.active and landed == len(self.layer_names)
+        complete = self.active and landed == len(self.layer_names) and not lease_lost
         failed_reqs: set[str] = set()
         m = self.metrics
         for t in job.transfers:
@@ -549,6 +572,7 @@ class WorkerConnector:
                     return
                 n = 0
                 t_lease = time.monotonic()
+                job.t_lease_asked = job.t_lease_asked or t_lease
                 try:
                     locations, epoch = self._lease(client, inst, transfer.block_hashes, job)
                     if _trace.enabled:
@@ -578,6 +602,7 @@ class WorkerConnector:
             job.finish()
             return
         job.t_leased = time.monotonic()
+        _failpoint_pause_after_lease()
         if not job.publish(copy_units(plans, pages.num_layers, pages.page_bytes, _UNIT_BYTES)):
             # the step closed the job while the leases were in flight: nothing may land now
             leases = job.take_leases()
@@ -703,6 +728,39 @@ class WorkerConnector:
             if n < len(chunk):
                 break
         return locations, epoch
+
+    def _lease_may_have_lapsed(self, job: _LoadJob) -> bool:
+        """True when the time since the lease was taken is a fair share of the session's TTL: only
+        then could the server have ended the session (and its leases) while the copies ran."""
+        if not job.t_lease_asked or self.link is None:
+            return False
+        usable = self.link.usable()
+        ttl = usable[0].session_ttl_s if usable is not None else 0.0
+        return time.monotonic() - job.t_lease_asked > max(ttl, 1.0) / 4
+
+    def _release_verified(self, leases: list[str], loaded_bytes: int) -> bool:
+        """Releases and waits for the answer: False when the server no longer knew a lease (it
+        expired, or its session ended): what was read under it may be another block's bytes."""
+        from pegaflow.client import errors
+
+        usable = self.link.usable() if self.link is not None else None
+        if usable is None:
+            return False
+        client, _ = usable
+        ok = True
+        for i, lease_id in enumerate(leases):
+            try:
+                client.release(
+                    lease_id, loaded_bytes=loaded_bytes if i == 0 else 0, timeout_s=self.cfg.rpc_timeout_s
+                )
+            except errors.PegaflowError as exc:
+                ok = False
+                log.warning(
+                    "pegaflow: lease %s was lost while its blocks were read (%s); recomputing", lease_id, exc
+                )
+        if not ok:
+            self.stats["load_leases_lost"] += 1  # its blocks are counted as failed loads
+        return ok
 
     def _release(self, leases: list[str], loaded_bytes: int) -> None:
         from pegaflow.client import errors

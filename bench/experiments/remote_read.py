@@ -254,14 +254,13 @@ def run_ttft(
     with NetnsCluster(ttft_dir, {"a": pool, "b": pool}, setup.streams[0], 10.0) as cluster:
         cfgs = [node_vllm(setup, model_dir, cluster, name) for name in NODES]
         out["pool_bytes"] = pool
-        out["vllm"] = [
-            {"node": n, "base_url": "", "env": c.extra_env} for n, c in zip(NODES, cfgs, strict=True)
-        ]
         with VllmFleet(cfgs, ttft_dir, name_prefix="v") as fleet:
             say(f"TTFT: starting vLLM on nodes {', '.join(NODES)} (inside their namespaces)")
             ready = fleet.start(setup.ready_timeout_s)
-            for entry, url in zip(out["vllm"], fleet.endpoints, strict=True):
-                entry["base_url"] = url
+            out["vllm"] = [
+                {"node": n, "base_url": url, "env": c.extra_env}
+                for n, url, c in zip(NODES, fleet.endpoints, cfgs, strict=True)
+            ]
             say(f"TTFT: engines ready in {', '.join(f'{r:.1f}' for r in ready)} s")
             loadgen.run_warmup(fleet.endpoints, cfgs[0].served_model_name, logprobs=setup.logprobs)
             for arm, instance in (("recompute", 0), ("remote", 1), ("local", 1)):
@@ -296,6 +295,7 @@ def ttft_arm(
     engine = fleet.servers[instance]
     before = engine.metrics()
     stats_before = cluster.stats(node)
+    peer0 = cluster.peer_metrics(node)
     cpu0 = cluster.server_cpu_s()
     load = load_average()
     replay = common.replay_trace(
@@ -311,6 +311,7 @@ def ttft_arm(
     cpu1 = cluster.server_cpu_s()
     after = engine.metrics()
     stats_after = cluster.stats(node)
+    peer1 = cluster.peer_metrics(node)
     fetch_before, fetch_after = pulls.fetch_counters(stats_before), pulls.fetch_counters(stats_after)
     measured = {
         "load": load,
@@ -319,6 +320,8 @@ def ttft_arm(
             cached_tokens_by_source(before), cached_tokens_by_source(after)
         ),
         "server_fetch_delta": {k: (fetch_after[k] or 0) - (fetch_before[k] or 0) for k in fetch_after},
+        # the server's pulls by outcome, and the transport's part of them: fetches, summed seconds
+        "peer_metrics_delta": {k: v - peer0.get(k, 0.0) for k, v in peer1.items()},
         "server_cpu_s": {n: cpu1[n] - cpu0[n] for n in cpu0},
         "locust": replay.summary,
         "locust_exit_code": replay.locust_exit_code,
@@ -374,6 +377,9 @@ def ttft_analysis(report: ab.ABReport, setup_dict: dict) -> dict | None:
         values = [p[key] for p in per_prompt if p[key] is not None]
         return {"median": statistics.median(values), "worst": worst(values)} if values else None
 
+    for p in per_prompt:
+        t = p["ttft_s"]
+        p["remote_minus_local_s"] = None if None in (t["remote"], t["local"]) else t["remote"] - t["local"]
     fetched = arms["remote"].measured["server_fetch_delta"]
     remote_used = all(p["remote_hit_used"] for p in per_prompt)
     out = {
@@ -383,6 +389,8 @@ def ttft_analysis(report: ab.ABReport, setup_dict: dict) -> dict | None:
         "recompute_over_remote": spread("recompute_over_remote", min),
         "recompute_over_local": spread("recompute_over_local", min),
         "median_ttft_s": {arm: statistics.median(p["ttft_s"][arm] for p in per_prompt) for arm in ARMS},
+        # what a remote hit adds to a local one, and (below) how much of it the transfer itself took
+        "remote_minus_local_s": spread("remote_minus_local_s"),
         "remote_hit_used": remote_used,
         "tokens_identical": all(p["tokens_identical"] for p in per_prompt),
         "logprobs_identical": all(p["logprobs_identical"] for p in per_prompt),
@@ -390,6 +398,12 @@ def ttft_analysis(report: ab.ABReport, setup_dict: dict) -> dict | None:
             (p["max_logprob_diff_to_recompute"] or 0.0 for p in per_prompt), default=None
         ),
         "b_fetched_blocks_during_remote": fetched.get("fetched_blocks"),
+        "b_mean_fetch_s_during_remote": _mean_fetch_s(arms["remote"].measured.get("peer_metrics_delta")),
+        "b_pulls_during_remote": {
+            k: v
+            for k, v in (arms["remote"].measured.get("peer_metrics_delta") or {}).items()
+            if k.startswith("pulls_")
+        },
         "b_fetch_failures_during_remote": fetched.get("fetch_failures"),
     }
     ratio = out["remote_over_local"]
@@ -403,6 +417,10 @@ def ttft_analysis(report: ab.ABReport, setup_dict: dict) -> dict | None:
             + (report.sections.get("ttft", {}).get("connector_waits_reason") or "")
         )
     return out
+
+
+def _mean_fetch_s(peer: dict | None) -> float | None:
+    return peer["fetch_s"] / peer["fetches"] if peer and peer.get("fetches") else None
 
 
 def _logprob_diff(got: list[dict] | None, want: list[dict] | None) -> float | None:

@@ -172,6 +172,26 @@ class NetnsCluster:
         """GetStats of node ``name``'s server, asked from inside that node."""
         return self.agent(name, "ctl").call({"cmd": "stats", "addr": self.addr(name)})
 
+    def peer_metrics(self, name: str) -> dict[str, float]:
+        """Node ``name``'s pulls from peers so far, from its /metrics: chains looked up on other nodes
+        by outcome (``pulls_<outcome>``: located, not_located, stale, dropped, joined), and the
+        fetches with their summed seconds (``fetches``, ``fetch_s``: the transport's part of a pull)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        url = f"http://{self.servers[name].http_addr}/metrics"
+        text = self.agent(name, "ctl").call({"cmd": "http_get", "url": url})["text"]
+        out = {"fetches": 0.0, "fetch_s": 0.0}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if family.name == "pegaflow_peer_fetch_seconds" and sample.name.endswith("_count"):
+                    out["fetches"] += sample.value
+                elif family.name == "pegaflow_peer_fetch_seconds" and sample.name.endswith("_sum"):
+                    out["fetch_s"] += sample.value
+                elif family.name == "pegaflow_remote_pulls":
+                    key = f"pulls_{sample.labels.get('outcome')}"
+                    out[key] = out.get(key, 0.0) + sample.value
+        return out
+
     def meta_stats(self) -> dict:
         return self.agent("a", "ctl").call({"cmd": "meta_stats", "addr": self.meta.addr})
 

@@ -234,6 +234,13 @@ class _Agent:
             hits = meta.locate(cmd["namespace_id"], hashes)
         return {"nodes": {h.node_id: h.num_blocks for h in hits}}
 
+    def http_get(self, cmd: dict) -> dict:
+        """The body of an HTTP GET from inside this node (a server's /metrics)."""
+        import urllib.request
+
+        with urllib.request.urlopen(cmd["url"], timeout=cmd.get("timeout_s", 10.0)) as reply:
+            return {"status": reply.status, "text": reply.read().decode()}
+
     def cpu(self, _cmd: dict) -> dict:
         return {"cpu_s": _cpu_s()}
 
@@ -265,6 +272,7 @@ def main() -> None:
         "stats": agent.stats,
         "meta_stats": agent.meta_stats,
         "locate": agent.locate,
+        "http_get": agent.http_get,
         "cpu": agent.cpu,
     }
     print(json.dumps({"ready": True, "pid": os.getpid()}), flush=True)

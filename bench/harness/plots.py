@@ -388,7 +388,7 @@ def remote_read_figure(report: dict, path: pathlib.Path) -> None:
     else:
         ax.text(0.5, 0.5, "vLLM part " + ("skipped:\n" + _wrap(skipped) if skipped else "not run"),
                 ha="center", va="center", transform=ax.transAxes, fontsize=7)  # fmt: skip
-    ax.set_title("TTFT of one prompt: recompute (A) / remote hit (B) / local hit (B)", fontsize=10)
+    ax.set_title("TTFT, same prompts: recompute on A, remote hit, local hit on B", fontsize=10)
     fig.suptitle(
         "remote read: two pegaflow nodes in network namespaces, TCP over one veth pair, 2 shared cores"
     )

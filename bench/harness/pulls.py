@@ -332,7 +332,9 @@ def pull_stats(raw: dict, target_ratio: float) -> dict:
         "load1": {
             "median": statistics.median(r["load"]["load1"] for r in raw["rounds"]),
             "worst": max(max(r["load"]["load1"], r["load_after"]["load1"]) for r in raw["rounds"]),
-        },
+        }
+        if raw["rounds"]
+        else None,
         "target_ratio": target_ratio,
     }
     out["target_met"] = None if not round_ratios else out["round_ratio"]["median"] >= target_ratio

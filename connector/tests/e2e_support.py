@@ -32,17 +32,25 @@ def server_env(addr: str) -> dict[str, str]:
 
 
 def start_vllm(
-    model, workdir, *, addr: str | None, extra_config: Mapping | None = None, **kwargs
+    model,
+    workdir,
+    *,
+    addr: str | None,
+    extra_config: Mapping | None = None,
+    env: Mapping[str, str] | None = None,
+    **kwargs,
 ) -> VllmServer:
-    """A started (not yet ready) vLLM server; with addr, PegaKVConnector points at it."""
+    """A started (not yet ready) vLLM server; with addr, PegaKVConnector points at it. ``env``: more
+    environment for the engine."""
     kv = None
+    extra_env = dict(env or {})
     env = {}
     if addr is not None:
         kv = dict(KV_TRANSFER)
         if extra_config:
             kv["kv_connector_extra_config"] = dict(extra_config)
         env = server_env(addr)
-    return VllmServer(model, workdir, kv_transfer_config=kv, env=env, **kwargs).start()
+    return VllmServer(model, workdir, kv_transfer_config=kv, env={**env, **extra_env}, **kwargs).start()
 
 
 def warm_up(srv: VllmServer) -> None:

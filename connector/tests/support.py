@@ -118,3 +118,14 @@ def wait_for(predicate, timeout_s: float = 30.0, interval_s: float = 0.05):
         if time.monotonic() > deadline:
             pytest.fail(f"condition not reached within {timeout_s} s")
         time.sleep(interval_s)
+
+
+def ready_blocks(lookup):
+    """A ServerPrefixLookup answering the number of ready leading blocks (None: no answer), as the
+    tests of the server-backed lookup compare it."""
+
+    def call(hashes):
+        answer = lookup(hashes)
+        return None if answer is None else answer.ready
+
+    return call

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import pathlib
 import signal
 import threading
 import time
@@ -163,3 +164,78 @@ def test_a_stopped_server_delays_requests_by_a_bounded_time(setup):
         assert stats.stats().resident_blocks > 0
     finally:
         stats.close()
+
+
+@pytest.fixture(scope="module")
+def slow_loader(tmp_path_factory):
+    """A second engine whose loads may take longer than the server's session TTL (a load deadline of
+    30 s), with the test hook that pauses a load between its lease and its copies."""
+    work = tmp_path_factory.mktemp("stalled")
+    model = ensure_tiny_model(tmp_path_factory.mktemp("models2"), TinyModelSpec(arch="qwen3"))
+    server = ServerProcess(work / "pegaflow", pool_size="128mb").start()
+    pause = work / "pause-after-lease"
+    vllm = start_vllm(
+        model,
+        work / "vllm",
+        addr=server.addr,
+        extra_config={"load_timeout_ms": 30_000, "rpc_timeout_ms": 5_000},
+        env={"PEGAFLOW_TEST_PAUSE_AFTER_LEASE": str(pause)},
+    )
+    try:
+        vllm.wait_ready(timeout_s=600)
+        warm_up(vllm)
+        yield {"server": server, "vllm": vllm, "pause": pause}
+    finally:
+        vllm.stop()
+        server.stop()
+
+
+def test_a_reader_stopped_past_its_session_ttl_recomputes_instead_of_reading_reused_memory(slow_loader):
+    """Issue 12, item 3 (finding F8): the engine process is SIGSTOPped after its worker leased a
+    prompt's blocks and before it copied them, for longer than the server's session TTL; the server
+    ends the session and the slots are reused for other bytes. Resumed, the worker copies, learns
+    its lease was lost (the release is answered NOT_FOUND) and reports a load error: vLLM
+    recomputes, and the answer equals the one computed cold. Without the check, the engine would
+    compute on other blocks' bytes."""
+    import numpy as np
+
+    from pegaflow.client import KvLayout as Layout
+    from pegaflow.client import write_blocks
+
+    vllm, server, pause = slow_loader["vllm"], slow_loader["server"], slow_loader["pause"]
+    p = prompt(next(_seeds))
+    cold = vllm.complete(p, max_tokens=MAX_TOKENS).token_ids
+    time.sleep(0.5)  # the asynchronous save lands
+    failed_before = vllm.metrics().value("vllm:pegaflow_load_failed_blocks_total")
+    pause.write_text("")
+    answer: dict = {}
+    t = threading.Thread(
+        target=lambda: answer.update(out=vllm.complete(p, max_tokens=MAX_TOKENS, timeout_s=120))
+    )
+    t.start()
+    leased = pathlib.Path(str(pause) + ".leased")
+    deadline = time.monotonic() + 60
+    while not leased.exists():
+        assert time.monotonic() < deadline, vllm.log_tail()
+        time.sleep(0.01)
+    group = os.getpgid(vllm.proc.pid)
+    os.killpg(group, signal.SIGSTOP)
+    try:
+        time.sleep(7.0)  # past the 5 s session TTL: the server ends the session and drops its leases
+        with PegaClient(server.addr, timeout_s=10.0, name="e2e-reuser") as reuser:
+            layout = Layout(model_id="reuser", model_fingerprint="f", dtype="bf16", layout="t",
+                            block_tokens=16, block_bytes=1 << 20, num_layers=1, tp_size=1, tp_rank=0,
+                            mla=False, extra="")  # fmt: skip
+            inst = reuser.register_instance(layout)
+            row = np.full(1 << 20, 0x5A, dtype=np.uint8)
+            for i in range(3 * 128 // 16):  # 3x the pool: every slot the stopped reader leased is reused
+                batch = reuser.allocate(inst, [f"reuse-{i}-{j}".encode() for j in range(16)])
+                write_blocks(reuser.pool_view(batch.epoch), batch.allocations, [row] * len(batch.allocations))
+                if batch.save_id:
+                    reuser.seal(batch.save_id)
+        pause.unlink()
+    finally:
+        os.killpg(group, signal.SIGCONT)
+    t.join(120)
+    assert answer["out"].token_ids == cold  # recomputed, not computed over reused memory
+    assert vllm.metrics().value("vllm:pegaflow_load_failed_blocks_total") > failed_before

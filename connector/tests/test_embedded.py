@@ -18,6 +18,7 @@ from pegaflow.connector.tests.support import (
     kv_caches,
     layout,
     load_meta,
+    ready_blocks,
     save_and_wait,
     step,
     wait_for,
@@ -86,7 +87,7 @@ def test_rank0_runs_the_server_the_others_find_it_and_it_stops_with_the_worker(t
         map_pool=False,
     )
     link.start()
-    lookup = ServerPrefixLookup(link, 1.0)
+    lookup = ready_blocks(ServerPrefixLookup(link, 1.0))
     try:
         assert rank0.embedded is not None
         assert published_address(engine_id) == rank0.embedded.address

@@ -25,6 +25,7 @@ from pegaflow.connector.tests.support import (
     kv_caches,
     layout,
     load_meta,
+    ready_blocks,
     save_and_wait,
     step,
     wait_for,
@@ -51,7 +52,7 @@ def lookup_for(cfg, lay):
         retry_interval_s=cfg.retry_interval_s,
     )
     link.start()
-    return link, ServerPrefixLookup(link, cfg.lookup_timeout_s)
+    return link, ready_blocks(ServerPrefixLookup(link, cfg.lookup_timeout_s))
 
 
 def attached(*workers_or_links):

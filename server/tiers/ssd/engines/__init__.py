@@ -20,13 +20,15 @@ log = logging.getLogger(__name__)
 ENGINES = ("auto", "io_uring", "threads")
 
 # Measured with bench/ssd_bench.py (O_DIRECT, ext4 on the dev VM's virtio disk, QD 32, 1 and 2 MiB
-# blocks, the engines interleaved pass by pass; three full runs on 2026-12-01): both engines are
-# disk-bound and within a few % of each other, threads slightly ahead. io_uring / threads, paired
-# per pass, median per (block size, direction): 0.82-1.06, below 1 in 9 of 12 cells; io_uring
-# faster in 29 of 76 passes. On tmpfs (CPU-bound, no disk) io_uring wrote 11 % faster with 29 %
-# less CPU per GB, and read 3 % slower. So `auto` is the thread pool: the faster one on the disk,
-# and it needs no compiler and no probe child at start. io_uring stays one flag away
-# (io_engine=io_uring) and passes the same tests; re-measure on NVMe before switching.
+# blocks, fio and both engines interleaved pass by pass; four full runs on 2026-12-01 with load 8-15
+# from other work on the 2 cores). On the disk both engines are disk-bound and close, threads ahead
+# in every run's sum of median GB/s (4.83 vs 4.69, 9.39 vs 9.03, 7.31 vs 7.07, 7.16 vs 6.92); pass
+# by pass, io_uring / threads has a median of 0.80-1.07 per (block size, direction). On tmpfs (no
+# disk: CPU-bound) io_uring was faster (writes +11 % at load 8, +99 % at load 15) with 25-30 % less
+# CPU per GB: one thread suffers less from a crowded CPU than 32. `auto` is the thread pool: the
+# faster one on the disk, and it needs no compiler and no probe child at start. io_uring is one
+# flag away (io_engine=io_uring), passes the same tests, and is the one to try on hosts whose
+# disks outrun their CPUs.
 AUTO_PREFERENCE = "threads"
 
 
