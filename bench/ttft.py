@@ -385,15 +385,25 @@ def hit_proof(rec: Mapping, engine: str, kind: str, block_size: int) -> dict:
 # ------------------------------------------------------------------ pegaflow
 
 
-def wait_saved(stats_client, min_blocks: int, timeout_s: float = 120.0) -> None:
-    """The connector seals its saves a few ms after the step that computed them."""
+def wait_saved(stats_client, save_bytes_before: int, blocks: int, timeout_s: float = 120.0) -> None:
+    """The connector seals its saves a few ms after the step that computed them: wait until the
+    server sealed `blocks` more blocks than it had (its save_bytes counter; the pool may evict an
+    earlier mode's prompts meanwhile, so resident blocks say nothing) and writes none."""
     deadline = time.monotonic() + timeout_s
     while True:
         st = stats_client.stats()
-        if st.resident_blocks >= min_blocks and st.writing_blocks == 0:
+        block_bytes = max((ns.block_bytes for ns in st.namespaces), default=0)
+        if (
+            block_bytes
+            and st.save_bytes - save_bytes_before >= blocks * block_bytes
+            and st.writing_blocks == 0
+        ):
             return
         if time.monotonic() > deadline:
-            raise TimeoutError(f"pegaflow-server holds {st.resident_blocks} blocks, wanted {min_blocks}")
+            raise TimeoutError(
+                f"pegaflow-server sealed {st.save_bytes - save_bytes_before} B since the cold passes "
+                f"began, wanted {blocks} blocks of {block_bytes} B"
+            )
         time.sleep(0.05)
 
 
@@ -624,14 +634,16 @@ def run(args: argparse.Namespace) -> dict:
         server_pid = server.proc.pid if server and server.proc else None
         our_pids = [s.proc.pid for s in servers.values() if s.proc] + ([server_pid] if server_pid else [])
         for mode in modes:
+            sealed_before = stats.stats().save_bytes if stats is not None else 0
             for e in engines:
                 seen = wait_quiet(args.quiet_cores, args.quiet_wait_s)
                 rec = run_pass(servers[e], e, mode, "cold", 0, work, our_pids, block_size, server_pid)
                 rec["busy_cores_before"] = seen
                 report["passes"].append(rec)
-                _print_pass(rec)
+                _log_pass(work, rec)
             if stats is not None:
-                wait_saved(stats, _stored_after(report["passes"], block_size))
+                cold = [p for p in report["passes"] if p["mode"] == mode]
+                wait_saved(stats, sealed_before, _stored_after(cold, block_size))
             for r in range(args.rounds):
                 order = engines[r % len(engines) :] + engines[: r % len(engines)]
                 for e in order:
@@ -639,7 +651,7 @@ def run(args: argparse.Namespace) -> dict:
                     rec = run_pass(servers[e], e, mode, "warm", r + 1, work, our_pids, block_size, server_pid)
                     rec["busy_cores_before"] = seen
                     report["passes"].append(rec)
-                    _print_pass(rec)
+                    _log_pass(work, rec)
         if stats is not None:
             st = stats.stats()
             report["pegaflow_server"] = {
@@ -686,6 +698,13 @@ def _stored_after(passes: Sequence[Mapping], block_size: int) -> int:
             )
             total += sum(int(x + extra) // block_size for x in p["client_input_lens"])
     return total
+
+
+def _log_pass(work: pathlib.Path, rec: Mapping) -> None:
+    """Print a pass and append it to <workdir>/passes.jsonl (what a run that dies still leaves)."""
+    _print_pass(rec)
+    with open(work / "passes.jsonl", "a") as f:
+        f.write(json.dumps(rec) + "\n")
 
 
 def _print_pass(rec: Mapping) -> None:

@@ -168,6 +168,22 @@ class PegaClient(ClientBase):
                 self._send("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=req.lease_id))
             raise
 
+    def report_prefill(
+        self,
+        inst: InstanceHandle,
+        computed_tokens: int,
+        prefill_seconds: float,
+        timeout_s: float | None = None,
+    ) -> None:
+        """The engine's own measured prefill cost since its previous report (prompt tokens it computed,
+        the seconds they took): the server prices the prefill its cache saved this namespace with it."""
+        req = pb.ReportPrefillRequest(
+            instance_id=self._instance_id(inst),
+            computed_tokens=int(computed_tokens),
+            prefill_seconds=float(prefill_seconds),
+        )
+        self._call("ReportPrefill", req, timeout_s)
+
     def load_blocks(
         self, inst: InstanceHandle, lease_id: str, timeout_s: float | None = None
     ) -> list[Location]:

@@ -55,6 +55,10 @@ class PegaConnectorMetadata(KVConnectorMetadata):
     # finished requests whose blocks the scheduler keeps until the workers report their
     # saves done (finished_sending); exactly these ids may be reported
     delayed_free_req_ids: list[str] = dataclasses.field(default_factory=list)
+    # this step's scheduled tokens: prompt (prefill) and decode (the workers time the forward and
+    # fit the engine's own prefill cost from these: prefill_rate.py)
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
 
     def is_empty(self) -> bool:
         return not (

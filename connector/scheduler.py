@@ -324,6 +324,12 @@ class SchedulerConnector:
                 self._plan_saves(state, n_scheduled, meta)
         meta.saves.extend(self._finish_saves)
         self._finish_saves = []
+        for rid, n_scheduled in scheduler_output.num_scheduled_tokens.items():
+            state = self._reqs.get(rid)
+            prompt_left = state.request.num_prompt_tokens - state.computed_before_step if state else 0
+            prefill = max(0, min(n_scheduled, prompt_left))
+            meta.prefill_tokens += prefill
+            meta.decode_tokens += n_scheduled - prefill
 
         meta.preempted_req_ids = sorted(scheduler_output.preempted_req_ids or ())
         meta.delayed_free_req_ids, self._delayed_free = self._delayed_free, []

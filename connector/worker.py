@@ -45,6 +45,7 @@ from pegaflow.connector.config import ConnectorConfig
 from pegaflow.connector.kv_pages import CopyUnit, KvPages, LayoutMismatch, Run, copy_units, plan_runs
 from pegaflow.connector.metadata import BlockTransfer, PegaConnectorMetadata, PegaHandshake
 from pegaflow.connector.namespace import KvLayoutSpec
+from pegaflow.connector.prefill_rate import PrefillRate
 from pegaflow.connector.server_link import ServerLink, batches
 from pegaflow.connector.stats import StatsRecorder
 from pegaflow.connector.trace import tracer
@@ -294,6 +295,8 @@ class WorkerConnector:
         self.stats = collections.Counter()  # lifetime detail, for logs and tests
         self.metrics = StatsRecorder()  # vLLM's connector stats (stats.py), this rank
         self._step_t0 = 0.0  # when this step's first hook ran (for the trace)
+        self._forward_t0 = 0.0  # when this step's forward started (start_load_kv)
+        self.prefill_rate = PrefillRate()  # rank 0: the engine's own prefill cost, reported to the server
 
     @property
     def active(self) -> bool:
@@ -438,6 +441,7 @@ class WorkerConnector:
     def start_load(self, meta: PegaConnectorMetadata) -> None:
         """vLLM's start_load_kv, right before the forward: start the step's loads unless
         begin_step did."""
+        self._forward_t0 = time.monotonic()
         for ids in meta.failed_loads.values():
             self._invalid_ids.update(ids)
         if not meta.loads:
@@ -796,6 +800,9 @@ class WorkerConnector:
         load failed computed this step on missing KV, so its new blocks are not saved (the
         scheduler saves them again after the recompute)."""
         t0 = time.monotonic()
+        if self.tp_rank == 0 and self._forward_t0:
+            self._time_forward(meta, t0 - self._forward_t0)
+        self._forward_t0 = 0.0
         failed = self._finish_load() | set(meta.failed_loads)
         saves = [t for t in meta.saves if t.req_id not in failed]
         if len(saves) < len(meta.saves):
@@ -810,6 +817,28 @@ class WorkerConnector:
                 loads = sum(len(t.block_ids) for t in meta.loads)
                 _trace.span("step", self._step_t0, t1, load_blocks=loads, save_blocks=len(saves))
             self._step_t0 = 0.0
+
+    def _time_forward(self, meta: PegaConnectorMetadata, seconds: float) -> None:
+        """Rank 0: one more step for the engine's prefill cost; every ~10 s the window is reported
+        (off the step: the housekeeping thread sends it), pricing what the cache saves it."""
+        rate = self.prefill_rate
+        rate.observe(meta.prefill_tokens, meta.decode_tokens, seconds)
+        if rate.due() and self.active:
+            report = rate.take_report()
+            if report is not None:
+                self._housekeeping.submit(self._report_prefill, *report)
+
+    def _report_prefill(self, tokens: int, seconds: float) -> None:
+        from pegaflow.client import errors
+
+        usable = self.link.usable() if self.link is not None else None
+        if usable is None:
+            return
+        client, (inst,) = usable
+        try:
+            client.report_prefill(inst, tokens, seconds, timeout_s=self.cfg.rpc_timeout_s)
+        except errors.PegaflowError as exc:
+            log.debug("pegaflow: prefill report not taken: %s", exc)
 
     def handle_preemptions(self, preempted: Iterable[str]) -> None:
         preempted = set(preempted)

@@ -409,14 +409,29 @@ def ttft_analysis(report: ab.ABReport, setup_dict: dict) -> dict | None:
     ratio = out["remote_over_local"]
     out["target_met"] = bool(remote_used and ratio and ratio["worst"] <= TTFT_RATIO_TARGET)
     if not remote_used:
-        out["why_no_remote_hit"] = (
-            "B's first request loaded nothing from the pool (cached_tokens below the prompt's loadable "
-            f"{loadable}): it computed the prompt, so its TTFT is a recompute's. B's server fetched "
-            f"{fetched.get('fetched_blocks')} blocks from A meanwhile (the lookup started the pull), and "
-            "B's second request ('local') loaded them: the pull landed for the next request. "
-            + (report.sections.get("ttft", {}).get("connector_waits_reason") or "")
-        )
+        out["why_no_remote_hit"] = _why_no_remote_hit(report, loadable, fetched, out["b_pulls_during_remote"])
     return out
+
+
+def _why_no_remote_hit(report: ab.ABReport, loadable: int, fetched: dict, pulls_by_outcome: dict) -> str:
+    """In words, from the counters: what B's first requests did instead of a remote hit."""
+    text = (
+        f"B's first requests did not all load the prompt's {loadable} loadable tokens from the pool; "
+        "those computed it (a recompute's TTFT). "
+    )
+    outcomes = ", ".join(f"{k.removeprefix('pulls_')} {v:g}" for k, v in pulls_by_outcome.items() if v)
+    if fetched.get("fetched_blocks"):
+        text += (
+            f"B's server fetched {fetched['fetched_blocks']} blocks from A meanwhile (its lookups: "
+            f"{outcomes}) and B's second requests ('local') loaded them: the pull landed for the next "
+            "request. "
+        )
+    else:
+        text += f"B's server pulled nothing from A (its metaserver lookups: {outcomes or 'none'}). "
+    waits = report.sections.get("ttft", {})
+    if not waits.get("connector_waits", True):
+        text += waits.get("connector_waits_reason") or ""
+    return text
 
 
 def _mean_fetch_s(peer: dict | None) -> float | None:

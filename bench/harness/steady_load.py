@@ -7,22 +7,27 @@ sent outside locust.
   pass draws new routes, so a prompt an engine saved in one pass is usually loaded by the other
   engine in the next (answers then depend on bytes another process wrote).
 - `BackgroundLoad`: `loadgen.run_trace` on a thread, with the records of completed requests readable
-  while it runs (locust flushes each one to its JSON-lines log as it completes).
+  while it runs (locust flushes each one to its JSON-lines log as it completes), ended by its run
+  time or early by `finish()`.
 - `stream_request`: one greedy streamed completion with a callback at its first token, recorded
   like a locust record (for an engine the fault injection drives itself).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 import pathlib
+import signal
 import threading
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import psutil
 
 from pegaflow.bench.harness import loadgen
 from pegaflow.bench.harness.sse import parse_sse_line
@@ -139,6 +144,16 @@ class BackgroundLoad:
 
     def running(self) -> bool:
         return self._thread.is_alive()
+
+    def finish(self, timeout_s: float = 60.0) -> loadgen.LoadResult:
+        """Ends the replay now: SIGINT to the locust process (it quits as at the end of its run
+        time and writes its summary; requests still in flight are not recorded), then `result()`."""
+        for proc in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                if str(self.request_log) in proc.cmdline():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(os.getpgid(proc.pid), signal.SIGINT)
+        return self.result(timeout_s)
 
     def result(self, timeout_s: float | None = None) -> loadgen.LoadResult:
         self._thread.join(timeout=timeout_s if timeout_s is not None else self.run_s + 120)

@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from pegaflow.client import KvLayout, PegaClient
+from pegaflow.client import KvLayout, PegaClient, errors
 from pegaflow.server.config import MIB, ServerConfig
 from pegaflow.server.runtime import start_server
 
@@ -93,3 +93,27 @@ def test_health_and_unknown_paths_and_separate_registries(servers):
     assert series(text_b, "pegaflow_live_instances") == {"pegaflow_live_instances": 0.0}
     a.stop()
     assert get(f"http://{b.http_address}/health")[0] == 200
+
+
+def test_the_engines_reported_prefill_cost_prices_the_tokens_its_hits_spared(servers):
+    """Issue 15, item 5: the connector reports its engine's measured prefill cost (ReportPrefill);
+    the server prices the prompt tokens its hits spared that namespace with it."""
+    from pegaflow.server.testing import wait_for
+
+    srv = servers[1]
+    with PegaClient(srv.address, timeout_s=10.0) as c:
+        inst = c.register_instance(KvLayout(model_id="priced", block_bytes=4096, block_tokens=16))
+        stored = [f"p-{i}".encode() for i in range(10)]
+        c.seal(c.allocate(inst, stored).save_id)
+        c.report_prefill(inst, 16_000, 4.0)  # 0.25 ms per prompt token, as the engine measured
+        c.query_prefix(inst, stored)  # 10 blocks of 16 tokens spared
+        with pytest.raises(errors.InvalidArgument):
+            c.report_prefill(inst, 10, -1.0)  # not a measurement: INVALID_ARGUMENT
+
+        def priced() -> dict:
+            _, text = get(f"http://{srv.http_address}/metrics")
+            return series(text, "pegaflow_prefill_seconds_avoided_total")
+
+        wait_for(lambda: any(v > 0 for v in priced().values()), 10, what="priced savings")
+        (value,) = [v for k, v in priced().items() if 'model="priced"' in k]
+        assert value == pytest.approx(160 * 0.25e-3)
