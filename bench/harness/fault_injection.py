@@ -35,8 +35,6 @@ from collections.abc import Callable
 import numpy as np
 import psutil
 
-from pegaflow.bench.harness.pegaflow_proc import message_to_plain
-
 
 class ProcessGroup:
     """Every process of a process group led by `leader` (its own session, as our launchers start
@@ -135,9 +133,9 @@ WATCHED_STATS = (
 
 
 def watched(stats_message) -> dict:
-    """The WATCHED_STATS of a GetStatsResponse as plain values."""
-    plain = message_to_plain(stats_message)
-    return {k: plain[k] for k in WATCHED_STATS if k in plain}
+    """The WATCHED_STATS of a GetStatsResponse as plain values (scalar fields read directly: this
+    runs thousands of times a second while a save is being caught)."""
+    return {k: getattr(stats_message, k) for k in WATCHED_STATS}
 
 
 def frozen_unsealed(stats: Callable[[], dict], window_s: float = 0.3, interval_s: float = 0.01) -> dict:
@@ -160,11 +158,12 @@ def frozen_unsealed(stats: Callable[[], dict], window_s: float = 0.3, interval_s
 
 @dataclasses.dataclass
 class Catch:
-    """One attempt of `SaveCatcher.attempt`."""
+    """One attempt of `SaveCatcher.attempt`: how often the engine was frozen on an open save that
+    turned out to be another engine's (`false_freezes`), and the freeze that caught it, if any."""
 
-    saw_open_save: bool
-    frozen: dict | None  # frozen_unsealed's answer while the engine was stopped
-    caught: bool  # the engine was left stopped holding unsealed allocations
+    false_freezes: int
+    frozen: dict | None  # frozen_unsealed's answer for the last freeze
+    caught: bool  # the engine is left stopped holding unsealed allocations
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -181,8 +180,8 @@ class SaveCatcher:
 
     def attempt(self, send: Callable[[], None], deadline_s: float = 60.0) -> Catch:
         """Runs `send()` (one request to the engine, blocking) on a thread and watches GetStats
-        until the request ends. On an open save: freeze, measure, and either keep the engine stopped
-        (`caught`) or resume it and let the request finish."""
+        until the request ends. On an open save: freeze and measure; if the frozen engine holds
+        unsealed blocks, return with it stopped (`caught`), else resume it and keep watching."""
         done = threading.Event()
 
         def run() -> None:
@@ -194,6 +193,8 @@ class SaveCatcher:
         sender = threading.Thread(target=run, name="victim-request", daemon=True)
         sender.start()
         give_up = time.monotonic() + deadline_s
+        false_freezes = 0
+        frozen = None
         try:
             while not done.is_set() and time.monotonic() < give_up:
                 s = self.stats()
@@ -201,16 +202,16 @@ class SaveCatcher:
                     self.group.stop()
                     frozen = frozen_unsealed(self.stats)
                     if frozen["writing_blocks_min"] > 0:
-                        return Catch(True, frozen, True)
+                        return Catch(false_freezes, frozen, True)
+                    false_freezes += 1
                     self.group.cont()
-                    sender.join(timeout=deadline_s)
-                    return Catch(True, frozen, False)
+                    continue
                 time.sleep(self.poll_s)
         except BaseException:
             self.group.cont()
             raise
         sender.join(timeout=deadline_s)
-        return Catch(False, None, False)
+        return Catch(false_freezes, frozen, False)
 
 
 class LeaseHog:
@@ -285,7 +286,9 @@ class LeaseHog:
     def _renew(self) -> None:
         from pegaflow.client import errors
 
-        hit = self.client.query_prefix(self._inst, self.hashes, lease=True, lease_ttl_s=max(5.0, 4 * self.renew_s))
+        hit = self.client.query_prefix(
+            self._inst, self.hashes, lease=True, lease_ttl_s=max(5.0, 4 * self.renew_s)
+        )
         self.counts["leases"] += 1
         if hit.lease_id:
             old, self._lease = self._lease, hit.lease_id

@@ -147,7 +147,9 @@ def judge(
         problems.append("no request loaded a block after recovery")
     worst = outcome["max_e2e_around_fault_s"]
     if max_e2e_around_fault_s is not None and worst is not None and worst > max_e2e_around_fault_s:
-        problems.append(f"a request around the fault took {worst:.2f} s (bound {max_e2e_around_fault_s:.2f} s)")
+        problems.append(
+            f"a request around the fault took {worst:.2f} s (bound {max_e2e_around_fault_s:.2f} s)"
+        )
     if outcome["requests"] == 0:
         problems.append("no traffic ran")
     return {"passed": not problems, "problems": problems}

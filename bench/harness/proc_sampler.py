@@ -86,3 +86,25 @@ class PeriodicSampler:
     def snapshot(self) -> list[dict]:
         with self._lock:
             return list(self.samples)
+
+
+def tree_status(pid: int) -> dict:
+    """{"processes", "fds", "threads"} summed over a process and its descendants (a vLLM engine is
+    three processes); processes that exit while being read are skipped."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        pids = [root.pid, *(p.pid for p in root.children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return {"processes": 0, "fds": 0, "threads": 0}
+    out = {"processes": 0, "fds": 0, "threads": 0}
+    for p in pids:
+        try:
+            st = proc_status(p)
+        except (ProcessLookupError, ValueError, PermissionError):
+            continue
+        out["processes"] += 1
+        out["fds"] += st["fds"]
+        out["threads"] += st["threads"]
+    return out

@@ -162,7 +162,12 @@ def check_answers(
             wrong_tokens += bad
             if len(examples) < max_examples:
                 examples.append(
-                    {"index": r.get("index"), "instance": r.get("instance"), "expected": list(want), "got": list(got)}
+                    {
+                        "index": r.get("index"),
+                        "instance": r.get("instance"),
+                        "expected": list(want),
+                        "got": list(got),
+                    }
                 )
     return TokenCheck(checked, wrong_requests, wrong_tokens, unchecked, tuple(examples))
 

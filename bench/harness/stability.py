@@ -110,7 +110,9 @@ def _p(values: Sequence[float], q: float) -> float | None:
     return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if len(values) else None
 
 
-def per_minute(records: Sequence[Mapping], t0: float, bucket_s: float = 60.0, wrong: set | None = None) -> list:
+def per_minute(
+    records: Sequence[Mapping], t0: float, bucket_s: float = 60.0, wrong: set | None = None
+) -> list:
     """Per bucket of request start time (minutes since t0): requests, failed, wrong answers (indices
     in `wrong`), TTFT p50 / p99 of the successful ones, and the share that loaded >= 1 block."""
     buckets: dict[int, list[Mapping]] = {}
@@ -129,7 +131,9 @@ def per_minute(records: Sequence[Mapping], t0: float, bucket_s: float = 60.0, wr
                 "wrong": sum(r.get("index") in wrong for r in ok) if wrong else 0,
                 "ttft_p50_s": _p(ttft, 50),
                 "ttft_p99_s": _p(ttft, 99),
-                "request_hit_rate": (sum((r.get("cached_tokens") or 0) > 0 for r in ok) / len(ok)) if ok else None,
+                "request_hit_rate": (sum((r.get("cached_tokens") or 0) > 0 for r in ok) / len(ok))
+                if ok
+                else None,
             }
         )
     return rows
@@ -149,7 +153,9 @@ def p99_stability(
         return {"stable": None, "reason": "the run is shorter than its warm-up"}
     third = (t_end - lo) / 3.0
     ok = [r for r in records if r["ok"] and lo <= r["start"] <= t_end]
-    parts = [[r["ttft_s"] for r in ok if lo + k * third <= r["start"] < lo + (k + 1) * third] for k in range(3)]
+    parts = [
+        [r["ttft_s"] for r in ok if lo + k * third <= r["start"] < lo + (k + 1) * third] for k in range(3)
+    ]
     parts[2] += [r["ttft_s"] for r in ok if r["start"] == lo + 3 * third]
     out = {
         "warmup_s": warmup_s,

@@ -184,9 +184,10 @@ def save(client: PegaClient, inst, chain: list[bytes]) -> None:
 
 def load(client: PegaClient, inst, chain: list[bytes]) -> int:
     hit = client.query_prefix(inst, chain, lease=True)
+    out = np.empty((hit.num_hits, BLOCK), dtype=np.uint8)
     if hit.num_hits:
-        out = np.empty((hit.num_hits, BLOCK), dtype=np.uint8)
         read_blocks(client.pool_view(hit.epoch), hit.locations, out)
+    if hit.lease_id:  # also taken over blocks still arriving from the SSD tier (hit.pending)
         client.release(hit.lease_id, loaded_bytes=out.nbytes)
     return hit.num_hits
 
@@ -195,6 +196,7 @@ def run_load(client: PegaClient, pinners: list[PegaClient]) -> None:
     """Hot chains that hit, a scan bigger than the pool, then the pool pinned and NO_SPACE. A
     session may pin at most half of the pool under leases: ``pinners`` (more sessions) pin it all."""
     inst = client.register_instance(KvLayout(model_id="dash", block_bytes=BLOCK, block_tokens=16))
+    client.report_prefill(inst, 16_000, 4.0)  # the engine's measured prefill cost prices the savings
     hot = [[b"hot-%d-%d" % (c, i) for i in range(64)] for c in range(8)]
     for chain in hot:
         save(client, inst, chain)
@@ -210,17 +212,23 @@ def run_load(client: PegaClient, pinners: list[PegaClient]) -> None:
     sessions = iter(pinners)
     pinner = next(sessions)
     pinned_inst = pinner.register_instance(KvLayout(model_id="dash", block_bytes=BLOCK, block_tokens=16))
-    for chain in scan:  # pin every resident block
+    exhausted = False
+    for chain in scan:  # pin every block resident in DRAM (SSD ones are promoted into it first)
         while True:
             try:
                 hit = pinner.query_prefix(pinned_inst, chain, lease=True)
                 break
             except errors.ResourceExhausted:  # this session's lease quota is full: the next one
-                pinner = next(sessions)
+                pinner = next(sessions, None)
+                if pinner is None:
+                    exhausted = True  # every pinner holds its half of the pool: it is all pinned
+                    break
                 pinned_inst = pinner.register_instance(
                     KvLayout(model_id="dash", block_bytes=BLOCK, block_tokens=16)
                 )
-        if hit.num_hits:
+        if exhausted:
+            break
+        if hit.lease_id:
             leases.append((pinner, hit.lease_id))
     refused = 0
     for k in range(2):
@@ -280,10 +288,46 @@ def test_dashboard_json_is_generated_and_well_formed():
     assert provisioning["providers"][0]["type"] == "file"
 
 
+def routable_host() -> str | None:
+    """This host's address on its default route (a UDP connect sends nothing), None without one:
+    a server that publishes to a metaserver must listen on an address peers can dial."""
+    import socket
+
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("192.0.2.1", 9))  # TEST-NET-1: routed like any remote address, never reached
+        host = probe.getsockname()[0]
+    except OSError:
+        return None
+    finally:
+        probe.close()
+    return None if host.startswith("127.") or host == "0.0.0.0" else host
+
+
 @pytest.mark.timeout(240)
 def test_every_panel_and_rule_against_a_real_prometheus(tmp_path):
+    """With the SSD tier and a metaserver, so the tier and L2 panels are checked too (the L2 ones
+    only where this host has a routable address)."""
+    from pegaflow.metaserver.testing import MetaServerProcess
+
     prometheus_bin, _ = need_prometheus()
-    with ServerProcess(tmp_path / "server", pool_size=POOL) as srv:
+    (tmp_path / "ssd").mkdir()
+    extra = ["--ssd-cache-path", str(tmp_path / "ssd"), "--ssd-cache-capacity", "64mb"]
+    extra += ["--ssd-segment-size", "8mb"]  # second-sighting placement: the scan stays a miss
+    host, meta = routable_host(), None
+    if host is not None:
+        meta = MetaServerProcess(tmp_path / "meta").start()
+        extra += ["--metaserver-addr", meta.addr]
+    addr = f"{host}:0" if host else "127.0.0.1:0"
+    try:
+        _check_against_prometheus(tmp_path, prometheus_bin, addr, extra)
+    finally:
+        if meta is not None:
+            meta.kill()
+
+
+def _check_against_prometheus(tmp_path, prometheus_bin: str, addr: str, extra: list[str]) -> None:
+    with ServerProcess(tmp_path / "server", pool_size=POOL, addr=addr, extra_args=extra) as srv:
         config = yaml.safe_load(EXAMPLE_CONFIG.read_text())
         config["global"].update(scrape_interval="1s", evaluation_interval="1s")
         config["rule_files"] = [str(RULES)]
