@@ -604,51 +604,50 @@ def _fs_of(path: pathlib.Path) -> str:
     return f"{best[1]} on {best[2]} (mounted at {best[0]})"
 
 
+def _bars(ax, groups: list[tuple[str, dict]], title: str) -> None:
+    """Median bars (worst run as a tick) of fio and each engine per group; tier bars say % of fio.
+    ``groups``: (label, {method: that method's row for one block size and direction})."""
+    colors = {"fio": "#7f7f7f", "threads": "#1f77b4", "io_uring": "#d62728"}
+    x = np.arange(len(groups))
+    width = 0.27
+    for j, m in enumerate(("fio", *ENGINES)):
+        med = [g[m]["gbps"]["median"] for _, g in groups]
+        worst = [g[m]["gbps"]["worst"] for _, g in groups]
+        bars = ax.bar(x + (j - 1) * width, med, width, label=f"{m} (median)", color=colors[m])
+        ax.scatter(x + (j - 1) * width, worst, color="black", marker="_", s=200, zorder=3,
+                   label="worst run" if j == 0 else None)  # fmt: skip
+        if m != "fio":
+            for b, (_, g) in zip(bars, groups, strict=True):
+                ratio = g[m]["ratio_to_fio"]["of_medians"]
+                ax.annotate(f"{ratio:.0%}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",
+                            va="bottom", fontsize=8)  # fmt: skip
+    ax.set_xticks(x, [label for label, _ in groups])
+    ax.set_ylabel("GB/s")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7)
+
+
 def plot(results: dict, path: pathlib.Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tp = {k: v for k, v in results["throughput"].items() if k != "load"}
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
-    colors = {"fio": "#7f7f7f", "threads": "#1f77b4", "io_uring": "#d62728"}
+    skip = ("load", "file_system")
+    tp = {k: v for k, v in results["throughput"].items() if k not in skip}
+    mem = {k: v for k, v in results.get("tmpfs_throughput", {}).items() if k not in skip}
+    fig, axes = plt.subplots(1, 4 if mem else 3, figsize=(22 if mem else 17, 5))
+    qd = results["params"]["queue_depth"]
     for ax, side in zip(axes[:2], ("write", "read"), strict=True):
-        keys = list(tp)
-        x = np.arange(len(keys))
-        width = 0.27
-        for j, m in enumerate(("fio", *ENGINES)):
-            med = [tp[k][m][side]["gbps"]["median"] for k in keys]
-            worst = [tp[k][m][side]["gbps"]["worst"] for k in keys]
-            bars = ax.bar(x + (j - 1) * width, med, width, label=f"{m} (median)", color=colors[m])
-            ax.scatter(
-                x + (j - 1) * width,
-                worst,
-                color="black",
-                marker="_",
-                s=200,
-                zorder=3,
-                label="worst run" if j == 0 else None,
-            )
-            if m != "fio":
-                for b, k in zip(bars, keys, strict=True):
-                    ratio = tp[k][m][side]["ratio_to_fio"]["of_medians"]
-                    ax.annotate(
-                        f"{ratio:.0%}",
-                        (b.get_x() + b.get_width() / 2, b.get_height()),
-                        ha="center",
-                        va="bottom",
-                        fontsize=8,
-                    )
-        ax.set_xticks(x, [f"{k} blocks" for k in keys])
-        ax.set_ylabel("GB/s")
-        ax.set_title(
-            f"SSD {side}: tier (% of fio) vs fio, QD {results['params']['queue_depth']}, O_DIRECT",
-            fontsize=10,
-        )
-        ax.legend(fontsize=7)
+        groups = [(f"{k} blocks", {m: by[m][side] for m in ("fio", *ENGINES)}) for k, by in tp.items()]
+        _bars(ax, groups, f"SSD {side}: tier (% of fio) vs fio, QD {qd}, O_DIRECT, same disk")
+    if mem:
+        groups = [(f"{side} {k}", {m: by[m][side] for m in ("fio", *ENGINES)}) for k, by in mem.items()
+                  for side in ("write", "read")]  # fmt: skip
+        load = results["tmpfs_throughput"]["load"]["load1_median"]
+        _bars(axes[2], groups, f"same on tmpfs (no disk: CPU-bound), load1 {load:.1f}")
     rec = results["recovery"]
-    ax = axes[2]
+    ax = axes[-1]
     labels, vals = [], []
     for verify, row in rec["crash"].items():
         labels.append(f"kill -9\nverify={verify}")
@@ -660,17 +659,13 @@ def plot(results: dict, path: pathlib.Path) -> None:
     ax.set_xticks(range(len(vals)), labels, fontsize=8)
     ax.set_ylabel("seconds per 10 GiB recovered (log)")
     ax.set_yscale("log")
-    ax.set_title(
-        f"Recovery ({rec['data_gib_written']:.0f} GiB written, {rec['segment_mib']} MiB segments)",
-        fontsize=10,
-    )
+    ax.set_title(f"Recovery ({rec['data_gib_written']:.0f} GiB written, {rec['segment_mib']} MiB segments)",
+                 fontsize=10)  # fmt: skip
     ax.legend(fontsize=7)
     load = results["throughput"]["load"]
     m = results["machine"]
-    fig.suptitle(
-        f"{m['cpu']}, {m['cpus']} CPUs, {m['file_system']}; load1 median {load['load1_median']:.1f}",
-        fontsize=9,
-    )
+    fig.suptitle(f"{m['cpu']}, {m['cpus']} CPUs, {m['file_system']}; load1 median {load['load1_median']:.1f} "
+                 "(2 cores and the virtual disk shared with other work)", fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

@@ -161,7 +161,7 @@ class ServerConfig:
     ssd_write_policy: str = "on-reuse"  # policy/placement.py: on-seal | on-reuse | off
     ssd_io_engine: str = "auto"  # auto | io_uring | threads
     ssd_segment_bytes: int = 0  # 0: the tier's default
-    ssd_queue_depth: int = 0  # I/Os in flight per path; 0: the tier's default
+    ssd_queue_depth: int = 0  # I/Os in flight over all paths; 0: the tier's default
     # Bytes being promoted (SSD -> DRAM) / written (DRAM -> SSD) at once; beyond them a hit is a miss /
     # a block is not written (counted), never a wait.
     promote_inflight_bytes: int = 1 << 30

@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="N",
-        help="SSD I/Os in flight per path (default: the tier's)",
+        help="SSD I/Os in flight over all paths together (default: the tier's, 32)",
     )
     ssd.add_argument(
         "--promote-inflight",

@@ -188,7 +188,6 @@ class Run:
         )
 
 
-
 def _sleep_until(t: float) -> None:
     while (left := t - time.time()) > 0:
         time.sleep(min(left, 0.5))
@@ -493,7 +492,7 @@ def pool_exhaustion(run: Run) -> dict:
     load = run.load("pool_exhaustion", run.fleet.endpoints, t.pre_s + t.exhaustion_s + t.post_s + 30).start()
     _sleep_until(load.started_at + t.pre_s)
     injected = time.time()
-    hog = LeaseHog(run.server.addr, models.block_bytes(run.setup.model), blocks=2 * capacity).start()
+    hog = LeaseHog(run.server.addr, models.block_bytes(run.setup.model), blocks=capacity).start()
     during_stats = []
     stop_at = injected + t.exhaustion_s
     while time.time() < stop_at:

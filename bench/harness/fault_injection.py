@@ -14,12 +14,12 @@ the report compares). Then the group gets SIGKILL: a kill -9 that lands while th
 unsealed allocations, verified rather than hoped for. If the minimum is zero, the engine gets
 SIGCONT, its request completes, and the next attempt uses the next fresh prompt.
 
-The lease hog. `LeaseHog` is a client of its own namespace that writes blocks until the pool
-refuses, then leases its whole chain again and again (releasing the previous lease after each new
-one) so its blocks stay pinned: the server cuts each lease at the session's lease quota (half the
-pool by default) and counts a quota refusal; the hog also asks for more leases beyond it (each
-refused with RESOURCE_EXHAUSTED, counted here). Blocks of its chain that the engines' traffic
-evicted in between are written again.
+The lease hog. `LeaseHog` is a client of its own namespace that writes a chain of blocks as long
+as the pool holds (evicting the engines' blocks), then leases the whole chain again and again (a
+new lease right after releasing the previous one) so its blocks stay pinned: the server cuts each
+lease at the session's lease quota (half the pool by default) and counts a quota refusal; the hog
+also asks for one more lease beyond it each time (refused with RESOURCE_EXHAUSTED, counted here).
+Blocks of its chain that the engines' traffic evicted in between are written again.
 """
 
 from __future__ import annotations
@@ -218,7 +218,8 @@ class LeaseHog:
     """A client pinning as much of the pool as its session may, on a thread (module doc).
 
     `block_bytes`: its blocks' size (the engines' block size, so it competes for the same slots);
-    `blocks`: the length of its chain (more than the pool holds, so it writes until refused);
+    `blocks`: the length of its chain (what the pool holds: a longer chain would evict its own
+    head, which a prefix lease needs);
     `renew_s`: how often it takes a new lease on its chain. `counts` says what it was granted and
     refused."""
 
@@ -284,16 +285,17 @@ class LeaseHog:
         return sealed
 
     def _renew(self) -> None:
+        """A new lease on the chain. The old one goes first: the quota counts what the session
+        holds, so with the old lease still held the new one would be refused."""
         from pegaflow.client import errors
 
-        hit = self.client.query_prefix(
-            self._inst, self.hashes, lease=True, lease_ttl_s=max(5.0, 4 * self.renew_s)
-        )
+        old, self._lease = self._lease, ""
+        if old:
+            self.client.release(old)
+        ttl = max(5.0, 4 * self.renew_s)
+        hit = self.client.query_prefix(self._inst, self.hashes, lease=True, lease_ttl_s=ttl)
         self.counts["leases"] += 1
-        if hit.lease_id:
-            old, self._lease = self._lease, hit.lease_id
-            if old:
-                self.client.release(old)
+        self._lease = hit.lease_id
         self.pinned_blocks.append(hit.num_hits)
         # A second lease on top of the first: the quota is spent, so the server must refuse it.
         try:

@@ -381,14 +381,20 @@ def remote_read_figure(report: dict, path: pathlib.Path) -> None:
             note += (
                 "\nremote = B's FIRST request: it computed (no wait\nfor the pull); the pull served 'local'"
             )
-        note += f"\ntokens identical: {ttft['tokens_identical']}, logprobs: {ttft['logprobs_identical']}"
+        extra, fetch = ttft.get("remote_minus_local_s"), ttft.get("b_mean_fetch_s_during_remote")
+        if extra and fetch:
+            note += f"\nremote - local: median {extra['median'] * 1e3:.0f} ms; the fetch {fetch * 1e3:.0f} ms"
+        diff = ttft.get("max_logprob_diff_to_recompute")
+        note += (
+            f"\ntokens identical: {ttft['tokens_identical']}; logprobs within {diff or 0:.4f} of recompute's"
+        )
         ax.annotate(note, (0.02, 0.97), xycoords="axes fraction", va="top", fontsize=7)
         ax.set_ylim(top=ax.get_ylim()[1] * 8)
         ax.set_ylabel("TTFT (ms), median; dots: each prompt")
     else:
         ax.text(0.5, 0.5, "vLLM part " + ("skipped:\n" + _wrap(skipped) if skipped else "not run"),
                 ha="center", va="center", transform=ax.transAxes, fontsize=7)  # fmt: skip
-    ax.set_title("TTFT, same prompts: recompute on A, remote hit, local hit on B", fontsize=10)
+    ax.set_title("TTFT: recompute (A), remote hit, local hit (B)", fontsize=10)
     fig.suptitle(
         "remote read: two pegaflow nodes in network namespaces, TCP over one veth pair, 2 shared cores"
     )

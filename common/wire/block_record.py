@@ -123,13 +123,23 @@ def encode_header(header: RecordHeader, into) -> None:
 
 
 def build_header(
-    tag: bytes, payload, payload_len: int, *, sequence: int, generation: int, volume_id: int
+    tag: bytes,
+    payload,
+    payload_len: int,
+    *,
+    sequence: int,
+    generation: int,
+    volume_id: int,
+    payload_checksum: int | None = None,
 ) -> RecordHeader:
-    """The header for ``payload[:payload_len]`` (checksums it: GIL released)."""
+    """The header for ``payload[:payload_len]``: checksums it (GIL released) unless the caller knows
+    its checksum already (``payload_checksum``: the block's own, computed at seal)."""
+    if payload_checksum is None:
+        payload_checksum = checksum(memoryview(payload).cast("B")[:payload_len])
     return RecordHeader(
         tag=bytes(tag),
         payload_len=payload_len,
-        payload_checksum=checksum(memoryview(payload).cast("B")[:payload_len]),
+        payload_checksum=payload_checksum,
         sequence=sequence,
         generation=generation,
         volume_id=volume_id,

@@ -559,8 +559,9 @@ class BlockStore:
         planned: list[BlockEntry] = []
         requests: list[WriteRequest] = []
         room = self.limits.demote_inflight_bytes - self._demoting_bytes
+        max_block = self.ssd.max_block_bytes
         for entry in entries:
-            if entry.ssd is not None or not entry.dram_ready:
+            if entry.ssd is not None or not entry.dram_ready or entry.length > max_block:
                 continue
             if entry.length > room:
                 self.counters.demotions_dropped += 1
@@ -577,7 +578,12 @@ class BlockStore:
             self._rehold(entry)
             ns = self.namespaces.at(entry.key[0])
             requests.append(
-                WriteRequest(extent, block_tag(ns.id, entry.key[1]), self.dram.view(entry.dram, entry.length))
+                WriteRequest(
+                    extent,
+                    block_tag(ns.id, entry.key[1]),
+                    self.dram.view(entry.dram, entry.length),
+                    checksum=entry.checksum,
+                )
             )
             planned.append(entry)
         if not planned:

@@ -562,6 +562,7 @@ class _RecordWrite(_RecordOp):
             sequence=self.sequence,
             generation=self.seg.generation,
             volume_id=tier._volume.volume_id,
+            payload_checksum=self.request.checksum,
         )
         rec.encode_header(header, scratch)
         return [scratch, self.view]

@@ -20,15 +20,15 @@ log = logging.getLogger(__name__)
 ENGINES = ("auto", "io_uring", "threads")
 
 # Measured with bench/ssd_bench.py (O_DIRECT, ext4 on the dev VM's virtio disk, QD 32, 1 and 2 MiB
-# blocks, fio and both engines interleaved pass by pass; four full runs on 2026-12-01 with load 8-15
-# from other work on the 2 cores). On the disk both engines are disk-bound and close, threads ahead
-# in every run's sum of median GB/s (4.83 vs 4.69, 9.39 vs 9.03, 7.31 vs 7.07, 7.16 vs 6.92); pass
-# by pass, io_uring / threads has a median of 0.80-1.07 per (block size, direction). On tmpfs (no
-# disk: CPU-bound) io_uring was faster (writes +11 % at load 8, +99 % at load 15) with 25-30 % less
-# CPU per GB: one thread suffers less from a crowded CPU than 32. `auto` is the thread pool: the
-# faster one on the disk, and it needs no compiler and no probe child at start. io_uring is one
-# flag away (io_engine=io_uring), passes the same tests, and is the one to try on hosts whose
-# disks outrun their CPUs.
+# blocks, fio and both engines interleaved pass by pass; five full runs on 2026-12-01, load 7-15
+# from other work on the 2 cores). On the disk both engines are close: sum of median GB/s
+# (write + read, 1 + 2 MiB) threads vs io_uring 4.83/4.69, 9.39/9.03, 7.31/7.07, 7.16/6.92,
+# 6.79/7.06: threads ahead in 4 of 5 runs, by 3-4 %, well inside one run's spread (+-30 %).
+# On tmpfs (no disk: CPU-bound) neither wins steadily (io_uring writes +11 % and 2x in two runs,
+# -9 % in the third) but io_uring needs 18-29 % less CPU per GB (one thread instead of 32).
+# `auto` is the thread pool: ahead on the disk, and it needs no compiler and no probe child at
+# start. io_uring is one flag away (io_engine=io_uring), passes the same tests, and is the one
+# to try where the disks outrun the CPUs.
 AUTO_PREFERENCE = "threads"
 
 
