@@ -60,7 +60,7 @@ class _Lookup:
     stored_blocks: int | None  # leading blocks in pegaflow, None when unknown
     num_hashes: int = 0  # how many block hashes were asked about
     at: float = 0.0  # when (monotonic seconds)
-    sources: tuple[str, ...] = ()  # per block, where the first lookup found it
+    sources: tuple[str, ...] = ()  # per block, where the lookups first saw it
     waiting_since: float | None = None  # blocks were on their way since then (asked again later)
     polled_at: float = 0.0
 
@@ -165,9 +165,15 @@ class SchedulerConnector:
                 return None, False
             answer = _answer(self._lookup(hashes, poll=True))
             self.lookups_polled += 1
-            sources, waiting_since = seen.sources, seen.waiting_since
+            waiting_since = seen.waiting_since
+            # Each block keeps where it was first seen: a block that was arriving from SSD or a peer
+            # reads as DRAM once it landed. A first lookup that was still searching saw nothing:
+            # the polls name the blocks found since.
+            sources = seen.sources
+            if answer is not None and len(answer.sources) > len(sources):
+                sources = sources + answer.sources[len(sources) :]
             if answer is not None and answer.waiting and t0 - waiting_since < self.max_wait_s:
-                seen.polled_at = t0
+                seen.polled_at, seen.sources = t0, sources
                 return None, False
             if answer is not None and answer.waiting:
                 self.waits_given_up += 1
@@ -222,7 +228,7 @@ class SchedulerConnector:
             m.add("lookup_hit_blocks", min(stored, asked))
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
-        """Tokens of the last planned load by where the first lookup found each block ("DRAM", "SSD",
+        """Tokens of the last planned load by where the lookups first found each block ("DRAM", "SSD",
         "REMOTE"); what is unknown is "DRAM". Sums to ``num_external_tokens``."""
         state = self._reqs.get(request.request_id)
         load = state.pending_load if state is not None else None

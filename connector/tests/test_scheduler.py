@@ -432,6 +432,41 @@ def test_hit_sources_split_a_load_by_where_each_block_was_found():
     assert s.hit_sources(r, 6 * BS) == {"DRAM": 4 * BS, "SSD": BS, "REMOTE": BS}
 
 
+class SearchingStore:
+    """A chain another node holds: the first answer is still searching (nothing found yet), the next
+    sees the blocks arriving from the peer, the last finds them readable here (DRAM)."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self.answers = 0
+
+    def __call__(self, hashes, poll=False):
+        from pegaflow.connector.scheduler import LookupAnswer
+
+        self.answers += 1
+        if self.answers == 1:
+            return LookupAnswer(0, True, ())
+        if self.answers == 2:
+            return LookupAnswer(0, True, ("REMOTE",) * self.total)
+        return LookupAnswer(self.total, False, ("DRAM",) * self.total)
+
+
+def test_blocks_a_searching_lookup_did_not_see_keep_the_source_a_later_poll_found_them_at(monkeypatch):
+    import pegaflow.connector.scheduler as sched
+
+    clock = [100.0]
+    monkeypatch.setattr(sched.time, "monotonic", lambda: clock[0])
+    s = SchedulerConnector(block_size=BS, lookup=SearchingStore(total=4), loads=True, saves=False)
+    r = request("p2p", 5 * BS + 3)
+    assert s.get_num_new_matched_tokens(r, 0) == (None, False)  # searching
+    clock[0] += 0.01
+    assert s.get_num_new_matched_tokens(r, 0) == (None, False)  # arriving from the peer
+    clock[0] += 0.01
+    assert s.get_num_new_matched_tokens(r, 0) == (4 * BS, False)  # landed: DRAM now
+    s.update_state_after_alloc(r, blocks(range(6)), 4 * BS)
+    assert s.hit_sources(r, 4 * BS) == {"REMOTE": 4 * BS}
+
+
 def test_without_waiting_a_waiting_answer_is_taken_as_it_is():
     store = ArrivingStore(ready=3, total=5, arrive_after=10**6)
     s = SchedulerConnector(block_size=BS, lookup=store, loads=True, saves=False, max_wait_s=0.0)
