@@ -194,6 +194,9 @@ class KVEngine:
             self._state_dirs.append(persistence.state_dir(config.ssd_cache_paths))
         if self.region.persistent_dir:
             self._state_dirs.append(self.region.persistent_dir)
+        self._persist_lock = threading.Lock()  # one writer of the layouts file at a time (newest last)
+        self._namespaces_unsaved = False  # the last write failed (a full disk): the reaper retries
+        self._namespaces_save_failing = False  # logged once per failing stretch
         self._session_listeners: list[Callable[[str], None]] = []
         self._ended_sessions: list[str] = []  # ended under the lock, announced after it
         self._closed = False
@@ -392,11 +395,9 @@ class KVEngine:
             session = self._live(session_id)
             namespace, new = self._namespaces.intern(layout)
             instance = self._registry.add_instance(session, namespace, name)
-            layouts = self._namespaces.layouts() if new and self._state_dirs else None
-        if layouts is not None:
+        if new and self._state_dirs:
             # Off the lock, before any block of it can be saved: recovery maps records to it.
-            for directory in self._state_dirs:
-                persistence.save_namespaces(directory, layouts)
+            self._save_namespaces()
         log.info(
             "instance %s (%r) registered in %s (%s, %d bytes/block)",
             instance.id,
@@ -1086,10 +1087,36 @@ class KVEngine:
                     freed,
                 )
             released = self._release_idle_namespaces(now)
-        if released is not None:
-            for directory in self._state_dirs:
-                persistence.save_namespaces(directory, released)
+        if released is not None or self._namespaces_unsaved:
+            self._save_namespaces()
         self._announce_ended_sessions()
+
+    def _save_namespaces(self) -> None:
+        """Writes the namespaces' layouts beside every persistent tier, off the engine lock. A write
+        that fails (a full file system, EIO) is a warning while it lasts, never an error for the
+        caller: the reaper tries again. Until it succeeds, the records of a namespace registered
+        since cannot be mapped by a restarted server: orphans, freed at recovery, never served."""
+        with self._persist_lock:
+            with self._locked(None):
+                layouts = self._namespaces.layouts()
+                self._namespaces_unsaved = False
+            try:
+                for directory in self._state_dirs:
+                    persistence.save_namespaces(directory, layouts)
+            except OSError as exc:
+                with self._locked(None):
+                    self._namespaces_unsaved = True
+                if not self._namespaces_save_failing:
+                    log.warning(
+                        "namespaces not saved (%s): blocks of namespaces registered from now on do not "
+                        "outlive a restart until it works again (retried every reaper tick)",
+                        exc,
+                    )
+                self._namespaces_save_failing = True
+                return
+            if self._namespaces_save_failing:
+                log.info("namespaces saved again")
+            self._namespaces_save_failing = False
 
     def _release_idle_namespaces(self, now: float) -> dict[str, dict] | None:
         """Under the lock: forgets namespaces with no instance and no block once idle for

@@ -38,11 +38,15 @@ def save_namespaces(directory: str, layouts: dict[str, dict]) -> None:
     doc = json.dumps({"checksum": checksum(body.encode()), "body": body})
     path = pathlib.Path(directory) / FILE_NAME
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(doc)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(doc)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # the previous file stays whole; a half-written one never lands
+        raise
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)

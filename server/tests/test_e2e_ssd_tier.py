@@ -3,16 +3,21 @@ O_DIRECT files, real clients, a real SIGKILL.
 
 - spill and promote: blocks pushed out of a small DRAM pool come back from SSD byte-identical;
 - restart: after kill -9 a new server on the same files serves those blocks again;
-- corruption: a flipped byte in the data file is a miss (counted), never wrong bytes.
+- corruption: a flipped byte in the data file is a miss (counted), never wrong bytes;
+- faults on a real loop-device file system: filled after start (the preallocated files keep
+  working), and a real EIO from the device (the tier turns off, one log line, DRAM carries on).
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
 
 from pegaflow.client import KvLayout, PegaClient, write_blocks
 from pegaflow.server.testing import ServerProcess, wait_for
+from pegaflow.server.tiers.ssd.testing import MIB, fill_fs, loop_fs, shrink_device
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,8 +38,8 @@ def hashes(tag: str, n: int) -> list[bytes]:
     return [f"{tag}-{i}".encode() for i in range(n)]
 
 
-def server(work, ssd_dir, **extra) -> ServerProcess:
-    args = ["--ssd-cache-path", str(ssd_dir), "--ssd-cache-capacity", "512mb", "--ssd-segment-size", "16mb"]
+def server(work, ssd_dir, capacity="512mb", **extra) -> ServerProcess:
+    args = ["--ssd-cache-path", str(ssd_dir), "--ssd-cache-capacity", capacity, "--ssd-segment-size", "16mb"]
     args += ["--ssd-write-policy", extra.pop("policy", "on-seal")]
     return ServerProcess(work, pool_size=POOL, extra_args=args).start()
 
@@ -154,3 +159,58 @@ def test_a_flipped_byte_on_disk_is_a_miss_never_wrong_bytes(tmp_path, ssd_dir):
             assert next(t for t in stats.tiers if t.name == "ssd").corrupt_records >= 1
     finally:
         again.stop()
+
+
+def ssd_stats(client):
+    return next(t for t in client.stats().tiers if t.name == "ssd")
+
+
+def test_a_file_system_filled_after_start_does_not_stop_the_tier_its_files_are_preallocated(tmp_path):
+    with loop_fs(tmp_path, 640) as (mnt, _, _):
+        srv = server(tmp_path / "srv", mnt)
+        try:
+            fill_fs(mnt)  # another program takes every free block
+            assert os.statvfs(mnt).f_bavail == 0
+            with PegaClient(srv.addr, timeout_s=10) as c:
+                inst = c.register_instance(KvLayout(**LAYOUT))
+                save_chain(c, inst, "full", CHAIN)
+                wait_written(c, CHAIN)
+                push_out_of_dram(c, inst)
+                found, same, hit = load_chain(c, inst, "full", CHAIN)
+                assert found == CHAIN and all(same) and hit.pending > 0
+                ssd = ssd_stats(c)
+                assert ssd.health == 0 and ssd.write_errors == 0
+        finally:
+            srv.stop()
+
+
+def test_an_io_error_from_the_disk_turns_the_tier_off_and_dram_serving_carries_on(tmp_path):
+    with loop_fs(tmp_path, 640) as (mnt, dev, image):
+        srv = server(tmp_path / "srv", mnt)
+        try:
+            with PegaClient(srv.addr, timeout_s=10) as c:
+                inst = c.register_instance(KvLayout(**LAYOUT))
+                save_chain(c, inst, "lost", CHAIN)
+                wait_written(c, CHAIN)
+                push_out_of_dram(c, inst)
+                wait_for(lambda: c.stats().demoting_bytes == 0, 30, what="the fillers' writes")
+                shrink_device(dev, image, 2 * MIB)  # every block of the data file now fails: EIO
+                # The chain is on SSD only: its promotion reads fail. A miss, never an error or a byte
+                # of something else.
+                found, same, _ = load_chain(c, inst, "lost", CHAIN)
+                assert all(same)
+                wait_for(lambda: ssd_stats(c).health == 2, 30, what="the SSD tier to turn itself off")
+                ssd = ssd_stats(c)
+                assert "Input/output error" in ssd.health_reason
+                assert ssd.read_errors >= 1
+                again, same_again, _ = load_chain(c, inst, "lost", CHAIN)
+                assert again <= found and all(same_again)
+                # DRAM serving carries on: a new chain is saved and read back whole.
+                save_chain(c, inst, "after", 16)
+                found_after, same_after, hit = load_chain(c, inst, "after", 16)
+                assert found_after == 16 and all(same_after) and hit.pending == 0
+            assert srv.alive()
+            off_lines = [ln for ln in srv.log_text().splitlines() if "ERROR" in ln and "off" in ln]
+            assert len(off_lines) == 1, off_lines  # one line, not one per failed I/O
+        finally:
+            srv.stop()

@@ -4,72 +4,19 @@ every request still gets a status, nothing raises."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import shutil
 import subprocess
 
 import pytest
 
 from pegaflow.server.tiers.base import IoStatus, TierHealth
 from pegaflow.server.tiers.ssd.config import MIB, SsdConfigError
+from pegaflow.server.tiers.ssd.testing import fill_fs, loop_fs, need_root_and, shrink_device
 from pegaflow.server.tiers.ssd.tests.support import Arena, engines, open_tier, options, read, wait_for, write
 from pegaflow.server.tiers.ssd.tier import SsdTier
 
 BLOCK = 100_003
-
-
-def _need_root_and(tool: str):
-    if os.geteuid() != 0:
-        pytest.skip("needs root (mount / losetup)")
-    if shutil.which(tool) is None:
-        pytest.skip(f"{tool} is not installed")
-
-
-@contextlib.contextmanager
-def loop_fs(tmp_path, size_mib: int):
-    """A fresh ext4 (no reserved blocks) on a loop device, mounted in tmp_path/mnt."""
-    _need_root_and("losetup")
-    image, mnt = tmp_path / "fs.img", tmp_path / "mnt"
-    mnt.mkdir()
-    with open(image, "wb") as f:
-        f.truncate(size_mib * MIB)
-    try:
-        dev = subprocess.run(
-            ["losetup", "-f", "--show", str(image)], capture_output=True, text=True, check=True
-        )
-    except subprocess.CalledProcessError as e:
-        pytest.skip(f"losetup is unavailable here: {e.stderr.strip()}")
-    dev = dev.stdout.strip()
-    try:
-        subprocess.run(["mkfs.ext4", "-q", "-m", "0", dev], check=True, capture_output=True)
-        mounted = subprocess.run(["mount", dev, str(mnt)], capture_output=True, text=True)
-        if mounted.returncode:
-            pytest.skip(f"cannot mount a loop device here: {mounted.stderr.strip()}")
-        try:
-            yield mnt, dev, image
-        finally:
-            subprocess.run(["umount", "-l", str(mnt)], check=False, capture_output=True)
-    finally:
-        subprocess.run(["losetup", "-d", dev], check=False, capture_output=True)
-
-
-def _fill(folder) -> None:
-    """Takes every free block of the file system under ``folder``."""
-    fd = os.open(os.path.join(folder, "filler"), os.O_WRONLY | os.O_CREAT)
-    try:
-        vfs = os.statvfs(folder)
-        try:
-            os.posix_fallocate(fd, 0, vfs.f_bavail * vfs.f_frsize)
-        except OSError:
-            pass
-        chunk = b"\xff" * 4096
-        with contextlib.suppress(OSError):
-            while True:
-                os.write(fd, chunk)
-    finally:
-        os.close(fd)
 
 
 # -- start-up refusals ------------------------------------------------------------------------
@@ -94,7 +41,7 @@ def test_a_capacity_the_file_system_cannot_hold_is_refused(tmp_path):
 
 
 def test_a_path_that_cannot_be_opened_for_o_direct_writing_is_refused(tmp_path):
-    _need_root_and("mount")
+    need_root_and("mount")
     ro = tmp_path / "ro"
     ro.mkdir()
     mounted = subprocess.run(
@@ -121,7 +68,7 @@ def test_disk_full_answers_io_error_and_degrades_without_raising(tmp_path, engin
             ext = tier.allocate(BLOCK, 4)
             tags = [b"ok%d" % i for i in range(4)]
             assert write(tier, arena, ext, tags) == [IoStatus.OK] * 4
-            _fill(mnt)
+            fill_fs(mnt)
             with caplog.at_level(logging.ERROR):
                 statuses = []
                 for k in range(6):  # the next segments: their headers and records need new blocks
@@ -209,8 +156,7 @@ def test_eio_from_the_device_turns_the_tier_off_and_no_wrong_byte_is_served(tmp_
             ext = tier.allocate(BLOCK, 40)
             tags = [b"e%d" % i for i in range(40)]
             assert write(tier, arena, ext, tags) == [IoStatus.OK] * 40
-            os.truncate(image, 2 * MIB)
-            subprocess.run(["losetup", "-c", dev], check=True)
+            shrink_device(dev, image, 2 * MIB)
             with caplog.at_level(logging.ERROR):
                 statuses = read(tier, arena, ext, tags)
             assert IoStatus.IO_ERROR in statuses
