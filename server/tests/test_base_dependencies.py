@@ -39,8 +39,9 @@ PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+) \\\n\s+--hash=sha256:([0
 
 # Modules that may need more than the base set, by design, each imported only where its feature
 # is switched on: the GPU data path (CuPy, torch; lazily, with a GPU present) and the metaserver's
-# etcd leadership (aetcd; only with its etcd flags, metaserver/main.py does not import it).
-OPTIONAL_MODULES = ("pegaflow.server.gpu.", "pegaflow.metaserver.leadership.etcd")
+# etcd leadership (aetcd; only with its etcd flags, metaserver/main.py does not import it); and the
+# tests' own support code in pegaflow.common.testing (a throw-away CA needs `cryptography`).
+OPTIONAL_MODULES = ("pegaflow.server.gpu.", "pegaflow.metaserver.leadership.etcd", "pegaflow.common.testing.")
 BASE_PACKAGES = (
     "pegaflow.server",
     "pegaflow.client",
