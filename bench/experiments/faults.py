@@ -52,7 +52,7 @@ from pegaflow.bench.experiments.reliability import BLOCK_TOKENS, Setup
 from pegaflow.bench.harness import models, reliability_plots, results, traces
 from pegaflow.bench.harness.fault_injection import LeaseHog, ProcessGroup, SaveCatcher, watched
 from pegaflow.bench.harness.fault_outcome import FaultTimes, fault_outcome, judge
-from pegaflow.bench.harness.reference import check_answers, check_trace_answers
+from pegaflow.bench.harness.reference import TokenCheck, check_answers, check_trace_answers
 from pegaflow.bench.harness.steady_load import BackgroundLoad, cycle_trace, stream_request
 from pegaflow.bench.harness.vllm_fleet import VllmFleet
 from pegaflow.server.testing import sigstop
@@ -110,11 +110,22 @@ class Run:
         self.store, self.reference_info = reliability.ensure_reference(
             setup, self.model_dir, [*self.base.requests, *self.victims], workdir, cache
         )
+        self.hit_reference_info: dict[str, int] = {}
         self.server = reliability.FixedAddressServer(workdir, setup.pool_bytes)
         self.fleet: VllmFleet | None = None
         self.observer = None
 
     # ---------------------------------------------------------------- plumbing
+    def check(self, records) -> TokenCheck:
+        """The records' answers against the references; an answer that differs from the full prefill
+        is asked of vLLM's own prefix cache first (reliability.ensure_hit_references)."""
+        info = reliability.ensure_hit_references(
+            self.setup, self.model_dir, records, self.trace, self.store, self.workdir
+        )
+        for key in ("cases", "computed", "not_exact"):
+            self.hit_reference_info[key] = self.hit_reference_info.get(key, 0) + info[key]
+        return check_trace_answers(records, self.trace, self.store)
+
     def start(self) -> None:
         from pegaflow.client import PegaClient
 
@@ -263,7 +274,7 @@ def server_kill(run: Run) -> dict:
     end = time.time()
     after = run.stats_when_up()
     records = result.records
-    check = check_trace_answers(records, run.trace, run.store)
+    check = run.check(records)
     problems = []
     if run.engine_pids() != pids:
         problems.append(f"an engine was restarted or died: {pids} -> {run.engine_pids()}")
@@ -307,7 +318,7 @@ def server_sigstop(run: Run) -> dict:
     end = time.time()
     after = run.stats_when_up()
     records = result.records
-    check = check_trace_answers(records, run.trace, run.store)
+    check = run.check(records)
     times = FaultTimes(load.started_at, injected, recovered, end)
     before_max = max((r["e2e_s"] for r in records if r["start"] + r["e2e_s"] < injected), default=0.0)
     bound = before_max + t.sigstop_s
@@ -450,7 +461,7 @@ def engine_kill_mid_save(run: Run) -> dict:
     result = load.finish()
     end = time.time()
     records = result.records
-    trace_check = check_trace_answers(records, run.trace, run.store)
+    trace_check = run.check(records)
     side_check = check_answers(side, lambda r: r.get("expected"))
     check = dataclasses.replace(
         trace_check,
@@ -505,7 +516,7 @@ def pool_exhaustion(run: Run) -> dict:
     end = time.time()
     after = run.stats()
     records = result.records
-    check = check_trace_answers(records, run.trace, run.store)
+    check = run.check(records)
     server_delta = _delta(
         after, before, ("no_space_blocks", "quota_refusals", "evictions", "aborted_blocks", "hits", "misses")
     )
@@ -610,6 +621,7 @@ def run_matrix(
         model_dir=str(run.model_dir),
         trace=run.base.summary(),
         reference=run.reference_info,
+        hit_references=run.hit_reference_info,
         scenarios={},
     )
     load_samples: list = []

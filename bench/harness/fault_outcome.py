@@ -117,6 +117,7 @@ def fault_outcome(
         "wrong_tokens": check.wrong_tokens,
         "unchecked": check.unchecked,
         "wrong_examples": list(check.examples),
+        "hit_path_answers": check.hit_path_answers,
         "phases": {p: _phase_numbers(rs, block_tokens) for p, rs in phases.items()},
         "in_flight_at_fault": len(caught),
         "in_flight_at_fault_max_e2e_s": max((r["e2e_s"] for r in caught), default=None),
