@@ -531,9 +531,10 @@ class BlockPublisher:
             address,
             reg.term,
         )
-        self._publish_snapshot(session)
         if not first:
+            # Counted as it starts: the metaserver may hold every block before this thread returns.
             self.republishes += 1
+        self._publish_snapshot(session)
         self._last_sync = time.monotonic()
         self._session = session
         return True
