@@ -199,9 +199,9 @@ def ensure_hit_references(
             reset = urllib.request.Request(engine.base_url + "/reset_prefix_cache", data=b"", method="POST")
             urllib.request.urlopen(reset, timeout=30).close()
             engine.complete(request.prompt[:cached].tolist(), max_tokens=1, timeout_s=300)
-            before = engine.metrics().local_hit_tokens()
+            before = engine.metrics().local_hit_tokens
             answer = engine.complete(request.prompt.tolist(), max_tokens=request.max_tokens, timeout_s=300)
-            if engine.metrics().local_hit_tokens() - before != cached:
+            if engine.metrics().local_hit_tokens - before != cached:
                 info["not_exact"] += 1
                 continue
             info["computed"] += store.fill_hits([(request, cached)], lambda *_, a=answer: a.token_ids)
