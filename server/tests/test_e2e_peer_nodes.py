@@ -6,7 +6,8 @@ pegaflow-metaserver, real clients inside the namespaces, processes killed for re
 - the metaserver is killed and restarted: nodes re-publish what they hold, pulls work again;
 - a stale index entry (the holder evicted the blocks) is a miss, never an error;
 - the holder is SIGKILLed: a pull of its blocks is a miss by the deadline, nothing half-written
-  becomes visible, and the requester keeps serving.
+  becomes visible, and the requester keeps serving;
+- three nodes: what B pulled from A, B holds and publishes; with A dead, C pulls it from B.
 """
 
 from __future__ import annotations
@@ -44,10 +45,22 @@ def worker(node, addr: str, action: str, hashes: list[str], tag: str, **extra) -
 
 @pytest.fixture
 def cluster(tmp_path):
+    yield from _nodes(tmp_path, ("a", "b"))
+
+
+@pytest.fixture
+def trio(tmp_path):
+    yield from _nodes(tmp_path, ("a", "b", "c"))
+
+
+def _nodes(tmp_path, names):
+    """pegaflow-server nodes (one network namespace each) and a metaserver in namespace m, on one
+    switch."""
     require_netns()
     with NetnsLab() as lab:
-        a, b, m = lab.add_node("a"), lab.add_node("b"), lab.add_node("m")
-        switch = lab.switch([a, b, m])
+        hosts = {name: lab.add_node(name) for name in names}
+        m = lab.add_node("m")
+        switch = lab.switch([*hosts.values(), m])
         meta = MetaServerProcess(tmp_path / "meta", host=m.addr, launcher=m.command([])).start()
 
         def node(n, name) -> ServerProcess:
@@ -60,8 +73,8 @@ def cluster(tmp_path):
                 extra_args=["--metaserver-addr", meta.addr, "--peer-fetch-deadline", "3"],
             ).start()
 
-        servers = {"a": node(a, "a"), "b": node(b, "b")}
-        state = {"lab": lab, "switch": switch, "a": a, "b": b, "m": m, "meta": meta, "servers": servers}
+        servers = {name: node(host, name) for name, host in hosts.items()}
+        state = {"lab": lab, "switch": switch, **hosts, "m": m, "meta": meta, "servers": servers}
         try:
             yield state
         finally:
@@ -83,6 +96,17 @@ def published(cluster, n_keys: int) -> None:
         return out.returncode == 0 and out.stdout.strip().isdigit() and int(out.stdout) >= n_keys
 
     wait_for(enough, 30, interval_s=0.2, what=f"{n_keys} keys in the metaserver")
+
+
+def entries_by_address(cluster) -> dict[str, int] | None:
+    """The metaserver's live nodes: {the node's advertised address: entries it holds}."""
+    out = cluster["m"].run(
+        [sys.executable, "-c", f"import json; from pegaflow.metaserver.client import MetaClient; "
+         f"c = MetaClient({cluster['meta'].addr!r}); "
+         f"print(json.dumps({{n.address: n.entries for n in c.stats().nodes}}))"],
+        check=False,
+    )  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
 
 
 def test_a_prefix_computed_on_one_node_is_pulled_by_another_byte_identical(cluster):
@@ -177,3 +201,29 @@ def test_a_partition_in_the_middle_of_a_pull_ends_it_at_its_deadline(cluster):
     assert got["match"] and got["hits"] < len(hashes)
     assert time.monotonic() - t0 < 3 + 5  # the fetch deadline (3 s) bounds the wait
     cluster["switch"].port(cluster["a"]).set_up()
+
+
+def test_three_nodes_what_b_pulled_from_a_is_held_by_b_and_c_pulls_it_from_b_once_a_died(trio):
+    servers = trio["servers"]
+    hashes = hexes("relay", 16)
+    assert worker(trio["a"], servers["a"].addr, "save", hashes, "relay")["sealed"] == 16
+    published(trio, 16)
+    got = worker(trio["b"], servers["b"].addr, "load-wait", hashes, "relay")
+    assert got["hits"] == 16 and got["match"], got
+    # B publishes the fetched blocks as held there too: two holders of the same 16 keys
+    wait_for(
+        lambda: (entries_by_address(trio) or {}).get(servers["b"].addr, 0) >= 16,
+        30,
+        interval_s=0.2,
+        what="B publishing what it pulled",
+    )
+    servers["a"].kill()
+    wait_for(
+        lambda: servers["a"].addr not in (entries_by_address(trio) or {servers["a"].addr: 0}),
+        60,
+        interval_s=0.5,
+        what="the dead holder's registration to expire",
+    )
+    got = worker(trio["c"], servers["c"].addr, "load-wait", hashes, "relay")
+    assert got["first"]["hits"] == 0  # not on C: it came from B, the only holder left
+    assert got["hits"] == 16 and got["match"], got
