@@ -23,7 +23,7 @@ LOCUSTFILE = pathlib.Path(__file__).resolve().with_name("locust_user.py")
 class LoadResult:
     records: list[dict]  # one per trace request, in completion order (see locust_user.py)
     summary: dict  # counts, first/last request times, the locust process's CPU time
-    locust_exit_code: int
+    locust_exit_code: int | None  # None: killed after it did not quit (steady_load.finish)
     out_dir: pathlib.Path
 
     @property

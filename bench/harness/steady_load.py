@@ -147,13 +147,25 @@ class BackgroundLoad:
 
     def finish(self, timeout_s: float = 60.0) -> loadgen.LoadResult:
         """Ends the replay now: SIGINT to the locust process (it quits as at the end of its run
-        time and writes its summary; requests still in flight are not recorded), then `result()`."""
+        time and writes its summary; requests still in flight are not recorded), then `result()`.
+        A locust that has not quit by `timeout_s` (seen on a crowded machine: users blocked in
+        requests past --stop-timeout) is killed, and the result is the request log as written so
+        far, with an empty summary and no exit code: every completed request is still there."""
+        self._signal_locust(signal.SIGINT)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self._signal_locust(signal.SIGKILL)
+            self._thread.join(30.0)
+            if self._thread.is_alive() or self._result is None:
+                return loadgen.LoadResult(self.records(), {}, None, self.out_dir)
+        return self.result(0)
+
+    def _signal_locust(self, sig: int) -> None:
         for proc in psutil.Process().children(recursive=True):
             with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
                 if str(self.request_log) in proc.cmdline():
                     with contextlib.suppress(ProcessLookupError):
-                        os.killpg(os.getpgid(proc.pid), signal.SIGINT)
-        return self.result(timeout_s)
+                        os.killpg(os.getpgid(proc.pid), sig)
 
     def result(self, timeout_s: float | None = None) -> loadgen.LoadResult:
         self._thread.join(timeout=timeout_s if timeout_s is not None else self.run_s + 120)
