@@ -52,7 +52,7 @@ from pegaflow.bench.experiments.reliability import BLOCK_TOKENS, Setup
 from pegaflow.bench.harness import models, reliability_plots, results, traces
 from pegaflow.bench.harness.fault_injection import LeaseHog, ProcessGroup, SaveCatcher, watched
 from pegaflow.bench.harness.fault_outcome import FaultTimes, fault_outcome, judge
-from pegaflow.bench.harness.reference import TokenCheck, check_answers, check_trace_answers
+from pegaflow.bench.harness.reference import TokenCheck, check_trace_answers
 from pegaflow.bench.harness.steady_load import BackgroundLoad, cycle_trace, stream_request
 from pegaflow.bench.harness.vllm_fleet import VllmFleet
 from pegaflow.server.testing import sigstop
@@ -117,14 +117,16 @@ class Run:
 
     # ---------------------------------------------------------------- plumbing
     def check(self, records) -> TokenCheck:
-        """The records' answers against the references; an answer that differs from the full prefill
-        is asked of vLLM's own prefix cache first (reliability.ensure_hit_references)."""
+        """The records' answers (trace requests and the fresh victim prompts) against the references;
+        an answer that differs from the full prefill is asked of vLLM's own prefix cache first
+        (reliability.ensure_hit_references)."""
+        requests = [*self.trace.requests, *self.victims]
         info = reliability.ensure_hit_references(
-            self.setup, self.model_dir, records, self.trace, self.store, self.workdir
+            self.setup, self.model_dir, records, requests, self.store, self.workdir
         )
         for key in ("cases", "computed", "not_exact"):
             self.hit_reference_info[key] = self.hit_reference_info.get(key, 0) + info[key]
-        return check_trace_answers(records, self.trace, self.store)
+        return check_trace_answers(records, requests, self.store)
 
     def start(self) -> None:
         from pegaflow.client import PegaClient
@@ -462,7 +464,7 @@ def engine_kill_mid_save(run: Run) -> dict:
     end = time.time()
     records = result.records
     trace_check = run.check(records)
-    side_check = check_answers(side, lambda r: r.get("expected"))
+    side_check = run.check(side)
     check = dataclasses.replace(
         trace_check,
         checked=trace_check.checked + side_check.checked,

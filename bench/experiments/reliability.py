@@ -174,7 +174,7 @@ def ensure_hit_references(
     setup: Setup,
     model_dir: pathlib.Path,
     records: Sequence[dict],
-    trace: traces.Trace,
+    requests: Sequence[TraceRequest],
     store: ReferenceStore,
     run_dir: pathlib.Path,
 ) -> dict:
@@ -183,7 +183,7 @@ def ensure_hit_references(
     WITHOUT the connector, its prefix cache on, dev endpoints on: per case, cache reset, the
     prompt's first k tokens, then the prompt; the engine's own prefix-cache hit counter must have
     grown by exactly k, else the case stays unanswered (and its answer counts as wrong)."""
-    cases = hit_cases(records, trace, store)
+    cases = hit_cases(records, requests, store)
     info = {"cases": len(cases), "computed": 0, "not_exact": 0, "seconds": 0.0}
     if not cases:
         return info

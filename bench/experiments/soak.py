@@ -195,9 +195,9 @@ def run_soak(
         server.stop()
     records = result.records
     report["hit_references"] = reliability.ensure_hit_references(
-        setup, model_dir, records, trace, store, workdir
+        setup, model_dir, records, trace.requests, store, workdir
     )
-    check = check_trace_answers(records, trace, store)
+    check = check_trace_answers(records, trace.requests, store)
     wrong_indices = {e["index"] for e in check.examples}
     if check.wrong_requests > len(check.examples):  # the examples are capped: find every wrong one
         by_index = {r.index: r for r in trace.requests}

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from pegaflow.bench.harness.traces import Trace, TraceRequest
+from pegaflow.bench.harness.traces import TraceRequest
 
 REFERENCE_FORMAT = "pegaflow-bench-reference/1"
 
@@ -229,10 +229,12 @@ def check_answers(
     return TokenCheck(checked, wrong_requests, wrong_tokens, unchecked, tuple(examples), hit_path)
 
 
-def check_trace_answers(records: Iterable[Mapping], trace: Trace, store: ReferenceStore) -> TokenCheck:
-    """`check_answers` for locust records of `trace` (matched by their trace index), with the
+def check_trace_answers(
+    records: Iterable[Mapping], requests: Iterable[TraceRequest], store: ReferenceStore
+) -> TokenCheck:
+    """`check_answers` for records of `requests` (a trace's, matched by their index), with the
     prefix-cache-hit references the store holds."""
-    by_index = {r.index: r for r in trace.requests}
+    by_index = {r.index: r for r in requests}
 
     def expected(record: Mapping) -> list[int] | None:
         request = by_index.get(record.get("index"))
@@ -246,11 +248,11 @@ def check_trace_answers(records: Iterable[Mapping], trace: Trace, store: Referen
 
 
 def hit_cases(
-    records: Iterable[Mapping], trace: Trace, store: ReferenceStore
+    records: Iterable[Mapping], requests: Iterable[TraceRequest], store: ReferenceStore
 ) -> list[tuple[TraceRequest, int]]:
     """(request, cached tokens) of the successful answers that differ from the full prefill, had
     tokens cached, and have no prefix-cache-hit reference yet: what `fill_hits` must answer."""
-    by_index = {r.index: r for r in trace.requests}
+    by_index = {r.index: r for r in requests}
     out: dict[str, tuple[TraceRequest, int]] = {}
     for r in records:
         request, cached = by_index.get(r.get("index")), r.get("cached_tokens") or 0

@@ -77,7 +77,7 @@ def test_check_trace_answers_matches_records_by_trace_index(tmp_path):
     store.fill(reqs, lambda r: [7] * r.max_tokens)
     records = [{"index": r.index, "ok": True, "completion_token_ids": [7] * 4} for r in reqs]
     records[3]["completion_token_ids"] = [7, 7, 7, 8]
-    check = reference.check_trace_answers(records, trace, store)
+    check = reference.check_trace_answers(records, trace.requests, store)
     assert (check.checked, check.wrong_requests, check.wrong_tokens) == (len(reqs), 1, 1)
 
 
@@ -94,17 +94,14 @@ def test_an_answer_that_equals_vllms_own_prefix_hit_of_the_same_length_is_right_
 
     records = [rec(a, tied, 32), rec(b, tied, 32), rec(a, full, 0), rec(a, tied, 0)]
 
-    class T:  # the two fields check_trace_answers and hit_cases read
-        requests = reqs
-
     # Before the hit references exist, every differing answer with tokens cached is a case to ask.
-    cases = reference.hit_cases(records, T, store)
+    cases = reference.hit_cases(records, reqs, store)
     assert sorted((r.index, k) for r, k in cases) == [(a.index, 32), (b.index, 32)]
     store.fill_hits(cases[:1], lambda r, k: tied)  # vLLM's own hit of 32 tokens answered `tied` for a
     store.fill_hits(cases[1:], lambda r, k: full)  # ... and the full prefill's tokens for b
     again = ReferenceStore(store.path, identity)  # saved with the answers
     assert again.expected_after_hit(a, 32) == tied and again.expected_after_hit(a, 64) is None
-    check = reference.check_trace_answers(records, T, again)
+    check = reference.check_trace_answers(records, reqs, again)
     # a/32 equals vLLM's own hit: right (apart); b/32 matches neither; a with nothing cached must
     # equal the full prefill
     assert (check.checked, check.hit_path_answers, check.wrong_requests) == (4, 1, 2)
