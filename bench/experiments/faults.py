@@ -124,7 +124,7 @@ class Run:
         info = reliability.ensure_hit_references(
             self.setup, self.model_dir, records, requests, self.store, self.workdir
         )
-        for key in ("cases", "computed", "not_exact"):
+        for key in ("prompts", "computed", "not_exact"):
             self.hit_reference_info[key] = self.hit_reference_info.get(key, 0) + info[key]
         return check_trace_answers(records, requests, self.store)
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from pegaflow.bench.experiments.common import MIB, say
 from pegaflow.bench.harness import connector_config, loadgen, models, traces
-from pegaflow.bench.harness.reference import ReferenceStore, hit_cases
+from pegaflow.bench.harness.reference import ReferenceStore, sweep_cases
 from pegaflow.bench.harness.traces import TraceRequest
 from pegaflow.bench.harness.vllm_fleet import CpuPlacement, VllmConfig, VllmFleet
 from pegaflow.server.testing import ServerProcess, free_port
@@ -178,33 +178,37 @@ def ensure_hit_references(
     store: ReferenceStore,
     run_dir: pathlib.Path,
 ) -> dict:
-    """vLLM's own answers with the same tokens cached, for the answers that differ from the full
+    """vLLM's own answers with a prefix cached, for the prompts whose answers differ from the full
     prefill (bench/harness/reference.py: a prefix-cache hit can move a near-tie argmax). One engine
-    WITHOUT the connector, its prefix cache on, dev endpoints on: per case, cache reset, the
-    prompt's first k tokens, then the prompt; the engine's own prefix-cache hit counter must have
-    grown by exactly k, else the case stays unanswered (and its answer counts as wrong)."""
-    cases = hit_cases(records, requests, store)
-    info = {"cases": len(cases), "computed": 0, "not_exact": 0, "seconds": 0.0}
+    WITHOUT the connector, its prefix cache on, dev endpoints on; per prompt and block-aligned k:
+    cache reset, the prompt's first k tokens, then the prompt. An answer counts only when the
+    engine's own prefix-cache hit counter grew by exactly k."""
+    cases = sweep_cases(records, requests, store, BLOCK_TOKENS)
+    info = {"prompts": len(cases), "computed": 0, "not_exact": 0, "seconds": 0.0}
     if not cases:
         return info
     t0 = time.monotonic()
-    say(f"hit references: {len(cases)} answers differ from the full prefill; asking vLLM's own prefix cache")
+    say(f"hit references: {len(cases)} prompt(s) differ from the full prefill; sweeping vLLM's own answers")
     config = dataclasses.replace(
         engine_config(setup, model_dir, None), prefix_caching=True, extra_env={"VLLM_SERVER_DEV_MODE": "1"}
     )
     with VllmFleet([config], run_dir, name_prefix="hit-reference") as fleet:
         fleet.start(setup.ready_timeout_s)
         engine = fleet.servers[0]
-        for request, cached in cases:
+
+        def answer(request: TraceRequest, cached: int) -> list[int] | None:
             reset = urllib.request.Request(engine.base_url + "/reset_prefix_cache", data=b"", method="POST")
             urllib.request.urlopen(reset, timeout=30).close()
             engine.complete(request.prompt[:cached].tolist(), max_tokens=1, timeout_s=300)
             before = engine.metrics().local_hit_tokens
-            answer = engine.complete(request.prompt.tolist(), max_tokens=request.max_tokens, timeout_s=300)
+            got = engine.complete(request.prompt.tolist(), max_tokens=request.max_tokens, timeout_s=300)
             if engine.metrics().local_hit_tokens - before != cached:
                 info["not_exact"] += 1
-                continue
-            info["computed"] += store.fill_hits([(request, cached)], lambda *_, a=answer: a.token_ids)
+                return None
+            return got.token_ids
+
+        for request in cases:
+            info["computed"] += store.fill_sweep(request, BLOCK_TOKENS, answer)
     info["seconds"] = time.monotonic() - t0
     return info
 

@@ -81,28 +81,35 @@ def test_check_trace_answers_matches_records_by_trace_index(tmp_path):
     assert (check.checked, check.wrong_requests, check.wrong_tokens) == (len(reqs), 1, 1)
 
 
-def test_an_answer_that_equals_vllms_own_prefix_hit_of_the_same_length_is_right_and_nothing_else_is(tmp_path):
-    reqs = _requests()
+def test_an_answer_vllm_itself_gives_with_some_prefix_cached_is_right_and_nothing_else_is(tmp_path):
+    reqs = [r for r in _requests() if len(r.prompt) > 3 * 16]
     identity = {"model": "m"}
     store = ReferenceStore(ReferenceStore.file_for(tmp_path, identity), identity)
     store.fill(reqs, lambda r: [1] * r.max_tokens)
     a, b = reqs[0], reqs[1]
-    full, tied = [1] * a.max_tokens, [2] * a.max_tokens
+    full, tied, junk = [1] * a.max_tokens, [2] * a.max_tokens, [3] * a.max_tokens
+    assert reference.sweep_lengths(a, 16) == list(range(16, (len(a.prompt) - 1) // 16 * 16 + 1, 16))
 
-    def rec(r, got, cached):
-        return {"index": r.index, "ok": True, "completion_token_ids": got, "cached_tokens": cached}
+    def rec(r, got):
+        return {"index": r.index, "ok": True, "completion_token_ids": got}
 
-    records = [rec(a, tied, 32), rec(b, tied, 32), rec(a, full, 0), rec(a, tied, 0)]
+    records = [rec(a, tied), rec(b, junk), rec(a, full)]
+    # Before any sweep, both differing prompts are cases; a matching one is not.
+    assert [r.index for r in reference.sweep_cases(records, reqs, store, 16)] == [a.index, b.index]
+    asked = []
 
-    # Before the hit references exist, every differing answer with tokens cached is a case to ask.
-    cases = reference.hit_cases(records, reqs, store)
-    assert sorted((r.index, k) for r, k in cases) == [(a.index, 32), (b.index, 32)]
-    store.fill_hits(cases[:1], lambda r, k: tied)  # vLLM's own hit of 32 tokens answered `tied` for a
-    store.fill_hits(cases[1:], lambda r, k: full)  # ... and the full prefill's tokens for b
+    def vllm(r, k):  # vLLM's own answers: a moves to `tied` with 32 tokens cached; b never moves
+        asked.append((r.index, k))
+        return tied if (r is a and k == 32) else full
+
+    store.fill_sweep(a, 16, vllm)
+    store.fill_sweep(b, 16, vllm)
+    assert asked == [(a.index, k) for k in reference.sweep_lengths(a, 16)] + [
+        (b.index, k) for k in reference.sweep_lengths(b, 16)
+    ]
     again = ReferenceStore(store.path, identity)  # saved with the answers
-    assert again.expected_after_hit(a, 32) == tied and again.expected_after_hit(a, 64) is None
+    assert again.swept(a, 16) and tied in again.alternatives(a)
+    assert reference.sweep_cases(records, reqs, again, 16) == []  # b is swept: junk stays wrong
     check = reference.check_trace_answers(records, reqs, again)
-    # a/32 equals vLLM's own hit: right (apart); b/32 matches neither; a with nothing cached must
-    # equal the full prefill
-    assert (check.checked, check.hit_path_answers, check.wrong_requests) == (4, 1, 2)
-    assert {e["index"] for e in check.examples} == {b.index, a.index}
+    assert (check.checked, check.hit_path_answers, check.wrong_requests) == (3, 1, 1)
+    assert [e["index"] for e in check.examples] == [b.index]
