@@ -753,7 +753,11 @@ def print_summary(report: Mapping) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5, help="warm passes per engine and mode")
-    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument(
+        "--engines",
+        default="pega,floor,example",
+        help=f"of {','.join(ENGINES)}; 'base' (another checkout's connector) needs --baseline-pythonpath",
+    )
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--pool-size", default="2gb", help="pegaflow-server --pool-size")
     ap.add_argument("--kv-cache-bytes", default="2G", help="vLLM --kv-cache-memory-bytes of each engine")
