@@ -196,7 +196,6 @@ class KVEngine:
             self._state_dirs.append(self.region.persistent_dir)
         self._persist_lock = threading.Lock()  # one writer of the layouts file at a time (newest last)
         self._namespaces_unsaved = False  # the last write failed (a full disk): the reaper retries
-        self._namespaces_save_failing = False  # logged once per failing stretch
         self._session_listeners: list[Callable[[str], None]] = []
         self._ended_sessions: list[str] = []  # ended under the lock, announced after it
         self._closed = False
@@ -1087,7 +1086,7 @@ class KVEngine:
                     freed,
                 )
             released = self._release_idle_namespaces(now)
-        if released is not None or self._namespaces_unsaved:
+        if released or self._namespaces_unsaved:
             self._save_namespaces()
         self._announce_ended_sessions()
 
@@ -1099,28 +1098,25 @@ class KVEngine:
         with self._persist_lock:
             with self._locked(None):
                 layouts = self._namespaces.layouts()
-                self._namespaces_unsaved = False
             try:
                 for directory in self._state_dirs:
                     persistence.save_namespaces(directory, layouts)
             except OSError as exc:
-                with self._locked(None):
-                    self._namespaces_unsaved = True
-                if not self._namespaces_save_failing:
+                if not self._namespaces_unsaved:  # one line per failing stretch
                     log.warning(
                         "namespaces not saved (%s): blocks of namespaces registered from now on do not "
                         "outlive a restart until it works again (retried every reaper tick)",
                         exc,
                     )
-                self._namespaces_save_failing = True
+                self._namespaces_unsaved = True
                 return
-            if self._namespaces_save_failing:
+            if self._namespaces_unsaved:
                 log.info("namespaces saved again")
-            self._namespaces_save_failing = False
+            self._namespaces_unsaved = False
 
-    def _release_idle_namespaces(self, now: float) -> dict[str, dict] | None:
+    def _release_idle_namespaces(self, now: float) -> bool:
         """Under the lock: forgets namespaces with no instance and no block once idle for
-        namespace_idle_s. Returns the layouts left to persist when any was released, else None."""
+        namespace_idle_s. True when any was released (the layouts file is then written again)."""
         used = self._registry.instances_per_namespace()
         index, idle, released = self._store.index, self._ns_idle_since, False
         for ns in self._namespaces:
@@ -1130,4 +1126,4 @@ class KVEngine:
                 self._namespaces.release(ns)
                 del idle[ns.index]
                 released = True
-        return self._namespaces.layouts() if released else None
+        return released
