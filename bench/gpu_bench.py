@@ -120,6 +120,7 @@ def worker_main(spec: dict) -> None:
     }
     client = PegaClient(spec["addr"], timeout_s=30.0, name=f"gpu-bench-{layout}-r{spec['rank']}")
     client.connect()
+    client_marks = _mark_doorbell_client() if spec.get("timing") else None
     try:
         inst = client.register_instance(
             KvLayout(
@@ -203,12 +204,47 @@ def worker_main(spec: dict) -> None:
             stats=_stats(client),
             calls=calls,
         )
+        if client_marks is not None:
+            result["client_marks"] = client_marks
         result["ceiling_after"] = pinned_ceiling(torch, nbytes)
         if spec.get("done_file"):
             pathlib.Path(spec["done_file"]).write_text("done")
     finally:
         client.close()
     pathlib.Path(spec["result"]).write_text(json.dumps(result))
+
+
+def _mark_doorbell_client() -> list[dict]:
+    """With --server-timing: wraps the doorbell client's encode, socket call and decode so that each
+    call leaves its CLOCK_MONOTONIC marks (matched with the server's "doorbell-op" lines)."""
+    from pegaflow.client import frame_link
+    from pegaflow.common.wire import doorbell as wire
+
+    marks: list[dict] = []
+    encode, decode, call = wire.encode_request, wire.decode_response, frame_link.FrameLink.call
+
+    def timed_encode(*a, **k):
+        m = {"encode": time.perf_counter()}
+        marks.append(m)
+        out = encode(*a, **k)
+        m["encoded"] = time.perf_counter()
+        return out
+
+    def timed_call(self, *a, **k):
+        out = call(self, *a, **k)
+        if marks and "answered" not in marks[-1]:  # the local RPC socket's calls share FrameLink
+            marks[-1]["answered"] = time.perf_counter()
+        return out
+
+    def timed_decode(*a, **k):
+        out = decode(*a, **k)
+        if marks:
+            marks[-1]["decoded"] = time.perf_counter()
+        return out
+
+    wire.encode_request, wire.decode_response = timed_encode, timed_decode
+    frame_link.FrameLink.call = timed_call
+    return marks
 
 
 def rpc_baseline(client, inst, blocks: int, reps: int = 20) -> dict:
@@ -244,6 +280,10 @@ VARIANTS = {
     "cupy": {"driver_calls": False},
     "nosi": {"runtime": {"SWITCH_INTERVAL_S": 1.0}},  # 1 s: never lowered, CPython's 5 ms stays
     "nogc": {"runtime": {"GC_FREEZE": False}},
+    "stg": {"staged_min_run_bytes": 1 << 20},  # first and last chunks staged too
+    # The metrics feeder does not yield to calls in flight (server/metrics/foreground.py): as before.
+    "noyield": {"registry": {"FEED_SLICE_KEYS": 65536, "MAX_FEED_DEFER_S": 0.0, "BUSY_PAUSE_S": 0.0}},
+    "si50": {"runtime": {"SWITCH_INTERVAL_S": 5e-5}},
 }
 _SERVER_BOOT = (
     "import functools, json, logging, sys\n"
@@ -253,6 +293,8 @@ _SERVER_BOOT = (
     "if timing == '1': logging.getLogger('pegaflow.server.gpu.timing').setLevel(logging.DEBUG)\n"
     "from pegaflow.server import runtime\n"
     "for name, value in options.pop('runtime', {}).items(): setattr(runtime, name, value)\n"
+    "from pegaflow.server.metrics import registry\n"
+    "for name, value in options.pop('registry', {}).items(): setattr(registry, name, value)\n"
     "if options:\n"
     "    from pegaflow.server.gpu import service\n"
     "    service.GpuOptions = functools.partial(service.GpuOptions, **options)\n"
@@ -383,20 +425,70 @@ def summarize_anchor(r: dict) -> dict:
     )
 
 
-def server_ops(log_path: pathlib.Path) -> list[dict]:
-    """The server's per-request timing lines ("gpu-op {json}", service._Trace), in order."""
+def server_ops(log_path: pathlib.Path, kind: str = "gpu-op") -> list[dict]:
+    """The server's per-request timing lines in order: "gpu-op {json}" (service._Trace) or
+    "doorbell-op {json}" (server/endpoints/doorbell.py)."""
     ops = []
+    tag = f"{kind} {{"
     try:
         for line in log_path.read_text(errors="replace").splitlines():
-            at = line.find("gpu-op {")
+            at = line.find(tag)
             if at >= 0:
                 try:
-                    ops.append(json.loads(line[at + len("gpu-op ") :]))
+                    ops.append(json.loads(line[at + len(kind) + 1 :]))
                 except ValueError:
                     pass
     except OSError:
         pass
     return ops
+
+
+# The doorbell call's path, step by step: (name, from mark, to mark); "t0"/"t1" are the data path's
+# save()/load() start and end, "call"/"return" the client's call start and return.
+_PATH_STEPS = (
+    ("client_to_encode", "call", "c.encode"),
+    ("client_encode", "c.encode", "c.encoded"),
+    ("send_and_read", "c.encoded", "d.read"),
+    ("server_to_handler", "d.read", "d.entered"),
+    ("server_decode", "d.entered", "d.decoded"),
+    ("handler_to_data_path", "d.decoded", "t0"),
+    ("data_path_planned", "t0", "planned"),
+    ("data_path", "t0", "t1"),
+    ("data_path_to_handler", "t1", "d.handled"),
+    ("server_encode", "d.handled", "d.encoded"),
+    ("send_and_wake", "d.encoded", "c.answered"),
+    ("client_decode", "c.answered", "c.decoded"),
+    ("client_return", "c.decoded", "return"),
+)
+
+
+def call_path(raw: list[dict], ops: list[dict], bells: list[dict]) -> dict:
+    """Per scenario and op, the median ms of each step of _PATH_STEPS (with --server-timing)."""
+    out: dict = {}
+    for r in raw:
+        key = f"{r['layout']}-r{r['rank']}"
+        marks = r.get("client_marks") or []
+        for op, t0, t1 in r.get("calls", ()):
+            match = next((o for o in ops if o.get("op") == op and t0 <= o.get("t0", -1) <= t1), None)
+            bell = next((b for b in bells if t0 <= b.get("read", -1) <= t1), None)
+            client = next((m for m in marks if t0 <= m.get("encode", -1) <= t1), None)
+            if match is None or bell is None or client is None:
+                continue
+            at = {"call": t0, "return": t1, "t0": match["t0"], "t1": match["t1"]}
+            if "planned" in match.get("marks", {}):
+                at["planned"] = match["t0"] + match["marks"]["planned"] / 1e3
+            at.update({f"d.{k}": v for k, v in bell.items()})
+            at.update({f"c.{k}": v for k, v in client.items()})
+            cell = out.setdefault(f"{key}-{op}", {})
+            for name, a, b in _PATH_STEPS:
+                if a in at and b in at:
+                    cell.setdefault(name, []).append((at[b] - at[a]) * 1e3)
+    return {
+        k: {name: round(statistics.median(v), 3) for name, v in cell.items()}
+        | {"n": len(next(iter(cell.values())))}
+        for k, cell in out.items()
+        if cell
+    }
 
 
 def outside_server(raw: list[dict], ops: list[dict]) -> dict:
@@ -459,7 +551,13 @@ def orchestrate(args) -> dict:
         )
         try:
             rows, raw = [], []
-            common = dict(addr=server.addr, blocks=args.blocks, runs=args.runs, num_blocks=args.num_blocks)
+            common = dict(
+                addr=server.addr,
+                blocks=args.blocks,
+                runs=args.runs,
+                num_blocks=args.num_blocks,
+                timing=args.server_timing,
+            )
             solos = [("per_layer", "default"), ("cross_layer", "default")]
             if args.grpc_rows:
                 solos.append(("per_layer", "grpc"))
@@ -512,6 +610,8 @@ def orchestrate(args) -> dict:
                 ops = server_ops(out_dir / f"server-{mode}.log")
                 report["modes"][mode]["server_ops"] = ops
                 report["modes"][mode]["outside_server"] = outside_server(report["modes"][mode]["raw"], ops)
+                bells = server_ops(out_dir / f"server-{mode}.log", "doorbell-op")
+                report["modes"][mode]["call_path"] = call_path(report["modes"][mode]["raw"], ops, bells)
         (out_dir / "gpu_bench.json").write_text(json.dumps(report, indent=1))
     if args.anchor_site:
         report["anchor"] = run_anchor(args, out_dir)

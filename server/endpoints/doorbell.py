@@ -11,7 +11,9 @@ through the same checks and GpuDataPath calls (``server.gpu.rpc.save`` / ``load`
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 
 import grpc
 
@@ -25,6 +27,10 @@ from pegaflow.server.endpoints.unix_socket import CallAborted, CallContext, Unix
 from pegaflow.server.gpu import rpc as gpu_rpc
 
 log = logging.getLogger(__name__)
+# The GPU data path's timing log (DEBUG, off in production): with it on, one "doorbell-op {json}"
+# line per request (CLOCK_MONOTONIC seconds: frame read, decoded, handled, answer encoded), which
+# bench/gpu_bench.py matches with the client's clock and the data path's own "gpu-op" lines.
+timing_log = logging.getLogger("pegaflow.server.gpu.timing")
 _OK = status.number(grpc.StatusCode.OK)
 
 
@@ -64,13 +70,31 @@ class DoorbellCodec(FrameCodec):
         return wire.encode_response(status.number(code), message=message, not_executed=True)
 
     def handle(self, body: bytes, context: CallContext) -> bytes:
+        if timing_log.isEnabledFor(logging.DEBUG):
+            return self._timed(body, context)
+        return self._handle(body, context)
+
+    def _timed(self, body: bytes, context: CallContext) -> bytes:
+        marks = {"read": context.arrived, "entered": time.perf_counter()}
+        answer = self._handle(body, context, marks)
+        marks["encoded"] = time.perf_counter()
+        timing_log.debug("doorbell-op %s", json.dumps(marks))
+        return answer
+
+    def _handle(self, body: bytes, context: CallContext, marks: dict | None = None) -> bytes:
         req = wire.decode_request(body)  # FrameError: not a doorbell request, the server refuses it
         context.set_timeout(req.timeout_s)
+        if marks is not None:
+            marks["decoded"] = time.perf_counter()
         try:
             if req.op == wire.OP_SAVE:
                 out = self._calls.SaveFromDevice(req, context)
+                if marks is not None:
+                    marks["handled"] = time.perf_counter()
                 return wire.encode_response(_OK, out.written, "", out.statuses)
             out = self._calls.LoadToDevice(req, context)
+            if marks is not None:
+                marks["handled"] = time.perf_counter()
             return wire.encode_response(_OK, out.num_hits)
         except CallAborted:
             kind = dict(context.trailing_metadata).get(NOT_FOUND_METADATA_KEY, "")

@@ -13,6 +13,7 @@ up leaks nothing.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 
@@ -45,7 +46,25 @@ def _status_of(exc: Exception, context: grpc.ServicerContext) -> tuple[grpc.Stat
     return grpc.StatusCode[exc.status], str(exc)
 
 
-_handler = rpc_handler(_status_of, DeadlineExceeded)
+_rpc_frame = rpc_handler(_status_of, DeadlineExceeded)
+
+
+def _handler(fn):
+    """The handler frame of every engine call: rpc_handler's, inside the metrics' ForegroundActivity
+    (server/metrics/foreground.py), so background work waits for the calls in flight."""
+    framed = _rpc_frame(fn)
+
+    @functools.wraps(fn)
+    def wrapper(self, request, context):
+        metrics = self._metrics
+        if metrics is None:
+            return framed(self, request, context)
+        with metrics.foreground:
+            return framed(self, request, context)
+
+    return wrapper
+
+
 # The same frame around the calls of the local endpoints that have no servicer method (the doorbell).
 engine_handler = _handler
 

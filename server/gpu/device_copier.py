@@ -98,6 +98,8 @@ class CopyResult:
     launch_s: float  # CPU time spent enqueueing the launches and copies
     total_s: float  # start() called -> completion seen
     gpu_s: float | None = None  # with trace: GPU time from reaching the copy to its end (events)
+    # With trace: the launch's steps (name, seconds since start() was called), for the timing log.
+    marks: tuple = ()
 
 
 @dataclasses.dataclass
@@ -123,9 +125,10 @@ class Copy:
         "_launch_done",
         "_completed",
         "_settled",
+        "marks",
     )
 
-    def __init__(self, lane, key, nbytes, mode, event, trace, started, launched, launch_done):
+    def __init__(self, lane, key, nbytes, mode, event, trace, started, launched, launch_done, marks=()):
         self._lane = lane
         self.key = key
         self.nbytes = nbytes
@@ -137,6 +140,7 @@ class Copy:
         self._launch_done = launch_done
         self._completed = 0.0
         self._settled = False
+        self.marks = marks
 
     @property
     def done(self) -> bool:
@@ -187,6 +191,7 @@ class Copy:
             self._launch_done - self._launched,
             self._completed - self._started,
             gpu_s,
+            tuple((name, round((t - self._started) * 1e3, 3)) for name, t in self.marks),
         )
 
     def abandon(self, then: Callable[[BaseException | None], None] | None = None) -> None:
@@ -305,11 +310,13 @@ class _Lane:
             rt.setDevice(copier.ordinal)
             event = rt.eventCreateWithFlags(cuda_runtime.EVENT_DISABLE_TIMING)
             timing = None
+            marks: list | None = None
             try:
                 if trace:
                     timing = (rt.eventCreate(), rt.eventCreate())
                     calls.record(timing[0], self.ks)
-                used, done_stream = self._launch(entry, ids, offs, mode)
+                    marks = [("events", time.perf_counter())]
+                used, done_stream = self._launch(entry, ids, offs, mode, marks)
                 calls.record(event, done_stream)
                 if timing is not None:
                     calls.record(timing[1], done_stream)
@@ -323,7 +330,7 @@ class _Lane:
                         rt.eventDestroy(ev)
                 raise
             launch_done = time.perf_counter()
-        return Copy(self, key, nbytes, used, event, timing, started, launched, launch_done)
+        return Copy(self, key, nbytes, used, event, timing, started, launched, launch_done, marks or ())
 
     def _upload(self, arrays: list[np.ndarray]) -> int:
         host_ptr, nbytes, slot = self.uploads.stage(self.calls, arrays)
@@ -332,7 +339,7 @@ class _Lane:
         self.uploads.uploaded(self.calls, slot, self.ks)
         return dev
 
-    def _launch(self, entry: _Layout, ids, offs, mode) -> tuple[str, int]:
+    def _launch(self, entry: _Layout, ids, offs, mode, marks: list | None = None) -> tuple[str, int]:
         copier = self.copier
         block_bytes = entry.layout.block_bytes
         n = ids.size
@@ -341,8 +348,12 @@ class _Lane:
             staged = plan_staged(offs, block_bytes, copier.slot_bytes)
             if mode == "auto" and staged.mean_run_bytes < copier.staged_min_run_bytes:
                 staged = None
+        if marks is not None:
+            marks.append(("planned", time.perf_counter()))
         if staged is None:
             dev = self._upload([ids, offs])
+            if marks is not None:
+                marks.append(("uploaded", time.perf_counter()))
             copier.kernel.launch(
                 self.calls,
                 self.ks,
@@ -356,13 +367,15 @@ class _Lane:
                 self.to_host,
             )
             return "direct", self.ks
-        return "staged", self._launch_staged(entry, ids, staged)
+        return "staged", self._launch_staged(entry, ids, staged, marks)
 
-    def _launch_staged(self, entry: _Layout, ids, plan) -> int:
+    def _launch_staged(self, entry: _Layout, ids, plan, marks: list | None = None) -> int:
         copier, calls = self.copier, self.calls
         ks, cs = self.ks, self.cs
         n = ids.size
         dev = self._upload([ids[plan.order], plan.slot_offset])
+        if marks is not None:
+            marks.append(("uploaded", time.perf_counter()))
         starts = plan.starts.tolist()
         run_starts = plan.run_starts.tolist()
         run_host = (plan.run_host + np.uint64(copier.host_addr)).tolist()

@@ -268,6 +268,8 @@ class GpuDataPath:
         inflight: collections.deque = collections.deque()  # (alloc, copy), in chain order
         written, mode = 0, ""
         chunks = pipeline_chunks(len(hashes), reg.layout.block_bytes)
+        if trace is not None:
+            trace.mark("planned")
         try:
             for lo, hi in chunks:
                 alloc = engine.allocate_blocks(self._session, reg.instance_id, hashes[lo:hi], deadline)
@@ -379,6 +381,8 @@ class GpuDataPath:
         inflight: collections.deque = collections.deque()  # (lease_id, bytes, copy)
         hits = chunks = 0
         mode = ""
+        if trace is not None:
+            trace.mark("planned")
         try:
             for lo, hi in pipeline_chunks(len(hashes), bb):
                 hit = engine.query_prefix(
@@ -523,7 +527,11 @@ class _Trace:
     def __init__(self, t0: float):
         self.t0 = t0
         self.chunks: list[dict] = []
+        self.marks: dict[str, float] = {}
         self._done = 0
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = self._ms(time.perf_counter())
 
     def _ms(self, t: float) -> float:
         return round((t - self.t0) * 1e3, 3)
@@ -543,6 +551,8 @@ class _Trace:
                 gpu_ms=None if result.gpu_s is None else round(result.gpu_s * 1e3, 3),
                 seen=self._ms(time.perf_counter()),
             )
+            if result.marks:
+                c["steps"] = dict(result.marks)  # ms from the copier's start() call
         self._done += 1
 
     def report(self, op: str, blocks: int, moved: int) -> str:
@@ -557,6 +567,7 @@ class _Trace:
                 total_ms=self._ms(end),
                 t0=self.t0,
                 t1=end,
+                marks=self.marks,
                 chunks=self.chunks,
             )
         )

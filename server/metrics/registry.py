@@ -5,7 +5,8 @@ servers in one process do not clash. Engine state is read at scrape time by a
 custom collector (one short engine lock per scrape); the query path itself only
 appends to a deque. A feeder thread drains that deque into the HyperLogLog
 hit-rate ceiling and the measured windowed hit rate, so neither the HLL work
-nor a scrape can stall a query.
+nor a scrape can stall a query. The feeder also yields the GIL to engine calls
+in flight: it feeds in short slices between them (foreground.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pegaflow.server.engine import EngineObserver, KVEngine
+from pegaflow.server.metrics.foreground import ForegroundActivity
 from pegaflow.server.metrics.hll_ceiling import HitRateCeiling
 from pegaflow.server.metrics.lookup_insights import LookupInsights
 from pegaflow.server.metrics.model_names import SHOWN, ModelNames
@@ -34,6 +36,17 @@ FEED_INTERVAL_S = 0.1
 # Bounded so a stalled feeder cannot grow memory without limit; what is dropped is counted.
 MAX_PENDING_LOOKUPS = 100_000
 MAX_KEYS_PER_ADD = 65_536
+# The feeder yields to engine calls (foreground.py). It feeds in slices of this many keys (~0.15 ms
+# of miss-ratio-curve work on the H200 host's cores) and looks between slices: while a call is in
+# flight it waits for the end of it, so a call that starts meanwhile waits for one slice at most.
+FEED_SLICE_KEYS = 16
+# Under calls without a pause it waits at most this long, then feeds for FORCED_FEED_S with a pause
+# after each slice (the calls in flight take the GIL freely meanwhile), so it keeps up with about
+# 8,000 keys/s (the miss-ratio curve samples at most 10,000/s) and what it cannot feed is bounded
+# by MAX_PENDING_LOOKUPS.
+MAX_FEED_DEFER_S = 0.1
+FORCED_FEED_S = 0.05
+BUSY_PAUSE_S = 0.0005
 
 
 class ServerMetrics(EngineObserver):
@@ -89,6 +102,9 @@ class ServerMetrics(EngineObserver):
         self._state_lock = threading.Lock()  # hit_rate and ceiling: feeder writes, scrapes read
         self._wake = threading.Event()
         self._stop = threading.Event()
+        # Engine calls in flight (the handler frame counts them): the feeder yields to them.
+        self.foreground = ForegroundActivity()
+        self.max_feed_defer_s = MAX_FEED_DEFER_S
         self._feeder = threading.Thread(target=self._feed_loop, name="pegaflow-metrics-feeder", daemon=True)
         self.registry.register(_EngineCollector(self))
         # Miss-ratio curve and savings: fed by the same feeder, exported by their own collector.
@@ -150,7 +166,7 @@ class ServerMetrics(EngineObserver):
         for _ in range(max_rounds):
             if not self._pending:
                 return
-            self._feed_some()
+            self._feed_some(MAX_KEYS_PER_ADD)
 
     def _feed_loop(self) -> None:
         while not self._stop.is_set():
@@ -158,20 +174,34 @@ class ServerMetrics(EngineObserver):
             self._wake.clear()
             try:
                 while self._pending and not self._stop.is_set():
-                    self._feed_some()
+                    if self.foreground.busy and not self.foreground.wait_quiet(self.max_feed_defer_s):
+                        until = time.monotonic() + FORCED_FEED_S
+                        while self._pending and time.monotonic() < until and not self._stop.is_set():
+                            self._feed_some(FEED_SLICE_KEYS)
+                            time.sleep(BUSY_PAUSE_S)
+                        continue
+                    self._feed_some(FEED_SLICE_KEYS)
             except Exception:
                 log.exception("metrics feeder failed; continuing")
 
-    def _feed_some(self) -> None:
+    def _feed_some(self, max_keys: int) -> None:
+        """Feeds up to ``max_keys`` keys of the pending lookups, oldest first. A lookup longer than
+        what is left of ``max_keys`` is split: its tail now (the miss-ratio curve takes a lookup's
+        keys tail first), its head back at the front of the queue, its leading hits shared out."""
         keys: list[bytes] = []
         batch: list[tuple[int, Sequence[bytes], int]] = []
         hits = requests = 0
-        while self._pending and len(keys) < MAX_KEYS_PER_ADD:
+        while self._pending and len(keys) < max_keys:
             try:
-                ns_index, hashes, nhits = lookup = self._pending.popleft()
+                ns_index, hashes, nhits = self._pending.popleft()
             except IndexError:
                 break
-            batch.append(lookup)
+            room = max_keys - len(keys)
+            if len(hashes) > room:
+                head = len(hashes) - room
+                self._pending.appendleft((ns_index, hashes[:head], min(nhits, head)))
+                hashes, nhits = hashes[head:], max(nhits - head, 0)
+            batch.append((ns_index, hashes, nhits))
             prefix = ns_index.to_bytes(4, "little")
             keys.extend(prefix + h for h in hashes)
             hits += nhits
