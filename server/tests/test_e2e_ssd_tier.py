@@ -72,6 +72,10 @@ def load_chain(client: PegaClient, inst, tag: str, n: int) -> tuple[int, list[bo
 def push_out_of_dram(client, inst) -> None:
     for round_ in range(3):  # 3 x the pool of other blocks
         save_chain(client, inst, f"filler{round_}", 64)
+    # The fillers' own SSD writes hold their DRAM slots until they land (up to the whole 16 MiB pool
+    # on a slow disk), and a promotion with no DRAM slot to land in is a miss (promotions_dropped):
+    # the chain is looked up once they are done, so the test does not race the disk.
+    wait_for(lambda: client.stats().demoting_bytes == 0, 30, what="the fillers' SSD writes")
 
 
 @pytest.fixture
