@@ -53,7 +53,7 @@ from pegaflow.server.errors import (
 from pegaflow.server.movers.block_hasher import BlockHasher
 from pegaflow.server.movers.tier_io import TierMover
 from pegaflow.server.policy import make_policy
-from pegaflow.server.policy.placement import SsdPlacement
+from pegaflow.server.policy.placement import SsdPlacement, sighting_keys
 from pegaflow.server.store import persistence
 from pegaflow.server.store.block_store import BlockStore, IoBatch, StoreLimits
 from pegaflow.server.store.index import BlockEntry
@@ -182,7 +182,10 @@ class KVEngine:
             self.policy,
             self._namespaces,
             ssd=ssd,
-            placement=SsdPlacement(config.ssd_write_policy if ssd is not None else "off"),
+            placement=SsdPlacement(
+                config.ssd_write_policy if ssd is not None else "off",
+                sighting_keys=sighting_keys(ssd.stats().capacity_bytes) if ssd is not None else 1,
+            ),
             limits=StoreLimits(config.promote_inflight_bytes, config.demote_inflight_bytes),
             hasher=self._hasher,
         )
@@ -464,6 +467,7 @@ class KVEngine:
                     self._count_query(purpose, len(hashes), scan.sources)
                 if purpose == QueryPurpose.LOOKUP:
                     planned.append(self._store.reused(ready))
+                    self._store.missed(ns_index, hashes[len(scan.entries) :])
         finally:
             self._mover.submit(planned)
         self._after_query(purpose, ns_index, hashes, ready, len(scan.entries) if account else None)

@@ -142,8 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--ssd-write-policy",
         choices=["on-reuse", "on-seal", "off"],
         default="on-reuse",
-        help="when a DRAM block is written to SSD: at its first reuse (a second sighting; one-off blocks "
-        "never wear the disk; default), at seal (write-through), or never (serve only what was recovered)",
+        help="when a DRAM block is written to SSD: on-reuse (default) at its second sighting: a lookup hits "
+        "it in DRAM, or it is saved again after lookups missed it twice (lost before its reuse); one-off "
+        "blocks never wear the disk. on-seal: every sealed block (write-through). off: never (serve only "
+        "what was recovered)",
     )
     ssd.add_argument(
         "--ssd-io-engine",

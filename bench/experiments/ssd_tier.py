@@ -8,7 +8,7 @@ enough): DRAM only with W-TinyLFU admission instead of LRU.
 Arms (same trace, same model, same DRAM pool of D bytes):
   dram            LRU, no SSD
   dram-tinylfu    --enable-lfu-admission, no SSD
-  ssd-on-reuse    LRU + --ssd-cache-path, blocks reach the SSD at their first reuse (the default)
+  ssd-on-reuse    LRU + --ssd-cache-path, blocks reach the SSD at their second sighting (the default)
   ssd-on-seal     LRU + --ssd-cache-path --ssd-write-policy on-seal (write-through, the anchor's)
 
 The last two are the placement measurement: which blocks the disk must hold for a working set

@@ -20,9 +20,9 @@ victims. Slab moves (tiers/dram/README.md) evict a whole slab of another size.
 
 Tiering (SSD): a block reaches the SSD tier by a demotion write, when the
 placement rule (policy/placement.py) says so: at seal (write-through) or at its
-first reuse (second sighting: a block looked up again is worth keeping, a
-one-off is not written). Space on the SSD tier is reclaimed FIFO, in the order
-it was allocated (which is the log order the tier writes in): the oldest SSD
+first reuse (second sighting: a block asked for again, found in DRAM or lost and
+saved again, is worth keeping; a one-off is not written). Space on the SSD tier
+is reclaimed FIFO, in the order it was allocated (which is the log order the tier writes in): the oldest SSD
 copy goes first, so the tier's oldest segment empties and is reused. A block
 the SSD tier drops keeps its DRAM copy if it has one.
 
@@ -209,8 +209,9 @@ class BlockStore:
         nbytes = sum(e.length for e in sealed)
         self.counters.save_bytes += nbytes
         batches = [self._plan_checksums(sealed)]
-        if self.placement.on_seal:
-            batches.append(self._plan_demotions(sealed))
+        if self.ssd is not None and sealed:
+            write = self.placement.write_at_seal([e.key for e in sealed])
+            batches.append(self._plan_demotions([e for e, w in zip(sealed, write, strict=True) if w]))
         return nbytes, batches
 
     def abort(self, save) -> int:
@@ -294,6 +295,11 @@ class BlockStore:
         for entry in entries:
             if self.index.unpin(entry):
                 self._rehold(entry)
+
+    def missed(self, ns_index: int, hashes: Sequence[bytes]) -> None:
+        """A lookup found none of these blocks in any tier (the placement rule may remember them)."""
+        if self.ssd is not None and hashes:
+            self.placement.missed([(ns_index, h) for h in hashes])
 
     def reused(self, entries: Sequence[BlockEntry]) -> IoBatch | None:
         """A lookup hit these DRAM blocks: the second-sighting placement writes them to SSD now."""

@@ -119,6 +119,36 @@ def test_second_sighting_writes_only_reused_blocks(ssd):
         eng.close()
 
 
+def test_second_sighting_writes_a_block_lost_before_its_reuse_when_it_is_saved_again(ssd):
+    eng = make(ssd, ssd_write_policy="on-reuse")
+    try:
+        sid = eng.open_session("t").session_id
+        iid = eng.register_instance(sid, layout()).instance_id
+        lost, one_off = hashes(4, "lost"), hashes(4, "one-off")
+        for chain in (lost, one_off):
+            assert eng.query_prefix(sid, iid, chain).num_hits == 0  # its own request's lookup
+            save(eng, sid, iid, chain)
+        fill_dram(eng, sid, iid, "other", 32)  # both leave DRAM before any reuse
+        settle(eng, ssd)
+        assert eng.stats().demotions_started == 0
+        again = eng.query_prefix(sid, iid, lost)  # asked for a second time: a miss, recomputed
+        assert (again.num_hits, again.pending) == (0, 0)
+        save(eng, sid, iid, lost)
+        settle(eng, ssd)
+        assert eng.stats().ssd_blocks == 4  # written at this seal; the one-off and the fillers not
+        fill_dram(eng, sid, iid, "more", 32)
+        settle(eng, ssd)
+        hit = eng.query_prefix(sid, iid, lost, lease=True)
+        assert hit.pending == 4 and hit.sources == (Tier.SSD,) * 4
+        loaded = eng.load_blocks(sid, iid, hit.lease_id)
+        view = eng.pool_view()
+        for h, off in zip(lost, loaded.offsets, strict=True):
+            assert np.array_equal(view[off : off + BLOCK], pattern(h))
+        assert eng.query_prefix(sid, iid, one_off).pending == 0
+    finally:
+        eng.close()
+
+
 def test_a_corrupt_copy_is_a_miss_and_is_dropped_never_served(ssd):
     eng = make(ssd, ssd_write_policy="on-seal")
     try:
