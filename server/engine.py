@@ -182,9 +182,10 @@ class KVEngine:
             self.policy,
             self._namespaces,
             ssd=ssd,
-            placement=SsdPlacement(
-                config.ssd_write_policy if ssd is not None else "off",
-                sighting_keys=sighting_keys(ssd.stats().capacity_bytes) if ssd is not None else 1,
+            placement=(
+                SsdPlacement(config.ssd_write_policy, sighting_keys(ssd.stats().capacity_bytes))
+                if ssd is not None
+                else SsdPlacement("off")
             ),
             limits=StoreLimits(config.promote_inflight_bytes, config.demote_inflight_bytes),
             hasher=self._hasher,

@@ -62,10 +62,6 @@ class SsdPlacement:
         return self.sightings.seen_again(keys)
 
     @property
-    def on_seal(self) -> bool:
-        return self.rule == "on-seal"
-
-    @property
     def on_reuse(self) -> bool:
         return self.rule == "on-reuse"
 
