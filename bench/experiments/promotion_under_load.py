@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import http.client
 import json
+import os
 import pathlib
 import shutil
 import statistics
@@ -78,9 +79,30 @@ class Setup:
     pause_s: float = 0.05
     vllm_kv_cache_bytes: int = 512 * MIB
     placement: CpuPlacement = CpuPlacement()
+    # CPUs for every thread of pegaflow-server ("" = wherever the kernel puts them); with
+    # placement.bind the engine's compute thread gets the others (the split an operator makes).
+    server_cpus: str = ""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def parse_cpus(spec: str) -> set[int]:
+    """'0', '0-1' or '0,2' as a set of CPU numbers."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def pin_process(pid: int, cpus: set[int]) -> int:
+    """Sets the affinity of every thread of ``pid`` (threads it starts later inherit it from
+    the one that starts them); returns how many were pinned."""
+    tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    for tid in tids:
+        os.sched_setaffinity(tid, cpus)
+    return len(tids)
 
 
 def promoter_layout() -> KvLayout:
@@ -381,6 +403,9 @@ def run(
     }
     server = PegaflowServerProcess(setup.pool_bytes, workdir, extra_args=args, ready_timeout_s=600)
     server.start()
+    if setup.server_cpus:
+        pinned = pin_process(server.server.proc.pid, parse_cpus(setup.server_cpus))
+        say(f"pegaflow-server: {pinned} threads pinned to CPUs {setup.server_cpus}")
     say(f"pegaflow-server ready: {setup.pool_bytes / MIB:.0f} MiB DRAM, SSD {ssd_path}")
     backgrounds: dict[str, Background] = {}
     try:
@@ -583,6 +608,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=Setup.requests_per_phase, help="hot requests per phase")
     ap.add_argument("--no-fio", action="store_true", help="leave out the fio baseline phase")
     ap.add_argument(
+        "--server-cpus",
+        default="",
+        help="pin every pegaflow-server thread to these CPUs (e.g. 0); see --vllm-cpus",
+    )
+    ap.add_argument(
+        "--vllm-cpus",
+        default=None,
+        help="bind vLLM's compute thread to these CPUs (VLLM_CPU_OMP_THREADS_BIND, e.g. 1)",
+    )
+    ap.add_argument(
         "--server-arg",
         action="append",
         default=[],
@@ -592,7 +627,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_fio and shutil.which("fio") is None:
         raise SystemExit("fio is not installed (apt-get install fio), or pass --no-fio")
     setup = dataclasses.replace(
-        Setup(), pool_bytes=args.pool_mib * MIB, rounds=args.rounds, requests_per_phase=args.requests
+        Setup(),
+        pool_bytes=args.pool_mib * MIB,
+        rounds=args.rounds,
+        requests_per_phase=args.requests,
+        server_cpus=args.server_cpus,
+        placement=CpuPlacement(bind=args.vllm_cpus),
     )
     workdir = common.make_workdir(args.workdir, "promo")
     report = run(
