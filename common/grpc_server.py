@@ -40,7 +40,7 @@ def started_thread_pool(workers: int, thread_name_prefix: str) -> futures.Thread
 
     Why: the executor starts a thread only when a task finds none idle and never ends one, so the
     server's thread count climbed one step at each new peak of concurrent calls, up to
-    ``workers``, hours into a run (the 30-minute soak's "threads keep rising", issue 12). Started
+    ``workers``, long into a run (the 30-minute soak's "threads keep rising", issue 12). Started
     at once, the count is a constant of the configuration, and a leak shows as a leak."""
     if workers < 1:
         raise ValueError(f"a thread pool needs at least one worker, not {workers}")
