@@ -97,6 +97,11 @@ class ServerConfig:
     ssd_io_engine: str = "auto"  # auto | io_uring | threads
     ssd_segment_bytes: int = 0  # 0: the tier's default
     ssd_queue_depth: int = 0  # I/Os in flight over all paths; 0: the tier's default
+    # SSD I/O yields to requests served from DRAM (server/movers/foreground_priority.py): no new I/O
+    # for ssd_yield_s after such a query (0: never yield), at most ssd_yield_depth in flight for a
+    # second after one.
+    ssd_yield_s: float = 0.03
+    ssd_yield_depth: int = 2
     # Bytes being promoted (SSD -> DRAM) / written (DRAM -> SSD) at once; beyond them a hit is a miss /
     # a block is not written (counted), never a wait.
     promote_inflight_bytes: int = 1 << 30
@@ -171,6 +176,10 @@ class ServerConfig:
             raise ValueError("--ssd-cache-capacity needs at least one --ssd-cache-path")
         if self.ssd_write_policy not in ("on-seal", "on-reuse", "off"):
             raise ValueError(f"ssd_write_policy must be on-seal, on-reuse or off: {self.ssd_write_policy!r}")
+        if not 0 <= self.ssd_yield_s <= 1:
+            raise ValueError(f"--ssd-yield-ms must be in 0..1000, got {self.ssd_yield_s * 1e3:g}")
+        if self.ssd_yield_depth < 1:
+            raise ValueError(f"--ssd-yield-depth must be >= 1, got {self.ssd_yield_depth}")
         if self.ssd_io_engine not in ("auto", "io_uring", "threads"):
             raise ValueError(f"ssd_io_engine must be auto, io_uring or threads, got {self.ssd_io_engine!r}")
         if not isinstance(self.nics, tuple):

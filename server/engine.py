@@ -51,6 +51,7 @@ from pegaflow.server.errors import (
     ResourceExhausted,
 )
 from pegaflow.server.movers.block_hasher import BlockHasher
+from pegaflow.server.movers.foreground_priority import ForegroundPriority
 from pegaflow.server.movers.tier_io import TierMover
 from pegaflow.server.policy import make_policy
 from pegaflow.server.policy.placement import SsdPlacement, sighting_keys
@@ -149,8 +150,12 @@ class KVEngine:
         observer: EngineObserver | None = None,
         region: PoolRegion | None = None,
         ssd: TierBase | None = None,
+        foreground: ForegroundPriority | None = None,
     ):
+        """``foreground``: told of every query served wholly from DRAM, so that the SSD tier's
+        I/O yields to it (server/movers/foreground_priority.py)."""
         self.config = config
+        self._foreground = foreground
         self.observer = observer or EngineObserver()
         self.epoch = secrets.token_hex(8)
         self.region = region or PoolRegion.create(
@@ -472,6 +477,8 @@ class KVEngine:
         finally:
             self._mover.submit(planned)
         self._after_query(purpose, ns_index, hashes, ready, len(scan.entries) if account else None)
+        if self._foreground is not None and 0 < scan.ready == len(scan.entries):
+            self._foreground.ready_hit()  # served now: the disk waits a moment (a lock-free note)
         searching = False
         remote = self._remote
         if remote is not None and len(scan.entries) < len(hashes):

@@ -169,6 +169,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="SSD I/Os in flight over all paths together (default: the tier's, 32)",
     )
     ssd.add_argument(
+        "--ssd-yield-ms",
+        type=float,
+        default=30.0,
+        metavar="MS",
+        help="after a query served wholly from DRAM, start no SSD I/O for this long, so that request's "
+        "prefill does not compete with the disk (at most half the time under steady DRAM hits; promotions "
+        "are slowed, never stopped); 0 turns it off (default 30)",
+    )
+    ssd.add_argument(
+        "--ssd-yield-depth",
+        type=int,
+        default=2,
+        metavar="N",
+        help="SSD I/Os in flight for a second after a query served from DRAM, so a yield takes effect "
+        "at once (default 2)",
+    )
+    ssd.add_argument(
         "--promote-inflight",
         type=parsed_by(parse_size),
         default=parse_size("1gb"),
@@ -341,6 +358,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         ssd_io_engine=args.ssd_io_engine,
         ssd_segment_bytes=args.ssd_segment_size,
         ssd_queue_depth=args.ssd_queue_depth,
+        ssd_yield_s=args.ssd_yield_ms / 1e3,
+        ssd_yield_depth=args.ssd_yield_depth,
         promote_inflight_bytes=args.promote_inflight,
         demote_inflight_bytes=args.demote_inflight,
         metaserver_addr=args.metaserver_addr,

@@ -39,6 +39,7 @@ from pegaflow.server.endpoints.local_rpc import LocalRpcServer
 from pegaflow.server.endpoints.unix_socket import raise_open_file_limit
 from pegaflow.server.engine import KVEngine
 from pegaflow.server.metrics.registry import ServerMetrics
+from pegaflow.server.movers.foreground_priority import ForegroundPriority
 from pegaflow.server.remote_access import RemoteAccess
 
 log = logging.getLogger(__name__)
@@ -197,7 +198,14 @@ def tune_serving_process() -> None:
         gc.freeze()
 
 
-def open_ssd_tier(config: ServerConfig):
+def foreground_priority(config: ServerConfig) -> ForegroundPriority | None:
+    """How SSD I/O yields to requests served from DRAM (--ssd-yield-ms), or None (no SSD, or 0)."""
+    if not config.ssd_cache_paths or config.ssd_yield_s <= 0:
+        return None
+    return ForegroundPriority(hold_s=config.ssd_yield_s, busy_depth=config.ssd_yield_depth)
+
+
+def open_ssd_tier(config: ServerConfig, pacer: ForegroundPriority | None = None):
     """The L3 SSD tier the flags ask for, or None. SsdConfigError (a ValueError) refuses the start."""
     if not config.ssd_cache_paths:
         return None
@@ -210,7 +218,7 @@ def open_ssd_tier(config: ServerConfig):
         options["segment_bytes"] = config.ssd_segment_bytes
     if config.ssd_queue_depth:
         options["queue_depth"] = config.ssd_queue_depth
-    return SsdTier(SsdTierOptions(**options))
+    return SsdTier(SsdTierOptions(**options), pacer=pacer)
 
 
 def start_server(config: ServerConfig) -> RunningServer:
@@ -222,9 +230,10 @@ def start_server(config: ServerConfig) -> RunningServer:
         server.access = access = RemoteAccess.load(config)
         server.metrics = ServerMetrics(config.hll_windows, model_names=access.model_names)
         server.metrics.registry.register(RefusalCollector(access.server, "pegaflow_rpc_unauthenticated"))
-        ssd = open_ssd_tier(config)
+        foreground = foreground_priority(config)
+        ssd = open_ssd_tier(config, foreground)
         try:
-            server.engine = engine = KVEngine(config, observer=server.metrics, ssd=ssd)
+            server.engine = engine = KVEngine(config, observer=server.metrics, ssd=ssd, foreground=foreground)
         except BaseException:
             if ssd is not None:
                 ssd.close()

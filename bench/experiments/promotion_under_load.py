@@ -27,7 +27,13 @@ request's prefix is loaded from the pool. Two kinds of traffic:
                  block size, queue depth 32, O_DIRECT, io_uring), no pegaflow involved: what reading
                  this disk at all costs the hot requests on this machine.
 
-Rounds: each round has a quiet phase, a promoting phase and a fio phase of --requests hot
+  placebo        run like a busy phase with nothing moving (an A/A test): its ratio to the quiet
+                 phase is what chance alone gives the statistic, the yardstick for the worst round.
+
+The server's SSD I/O yields to DRAM-served queries by default (--ssd-yield-ms 30, server/movers/
+foreground_priority.py); ``--server-arg=--ssd-yield-ms=0`` measures it without.
+
+Rounds: each round has a quiet phase, a promoting, a fio and a placebo phase of --requests hot
 requests each, the lead rotating from round to round so drift lands on all. Ratios are taken
 inside a round (busy / quiet, TTFT mean and median) and reported as median and worst over the
 rounds; a busy-phase request counts only if a transfer was in flight for its whole TTFT (the
@@ -239,6 +245,18 @@ class FioReader(Background):
         return self.blocks_each
 
 
+class Placebo(Background):
+    """A phase run exactly like a busy one with nothing moving: its ratio to the quiet phase is
+    what the ratio statistic gives by chance (an A/A test), the yardstick for the worst round."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+
+    def one(self, k: int) -> int:
+        time.sleep(0.25)
+        return 0
+
+
 def stream_completion(base_url: str, prompt: list[int]) -> dict:
     """One streamed /v1/completions request; TTFT is send -> first chunk with a generated token."""
     host, port = base_url.removeprefix("http://").rsplit(":", 1)
@@ -317,7 +335,7 @@ def phase_summary(ttfts: list[float]) -> dict:
     }
 
 
-BUSY_PHASES = ("promoting", "fio")
+BUSY_PHASES = ("promoting", "fio", "placebo")
 
 
 def _counted(records: list[dict], busy: bool) -> list[float]:
@@ -386,6 +404,7 @@ def run(
     ssd_dir: pathlib.Path,
     model_cache,
     with_fio: bool = True,
+    with_placebo: bool = True,
     server_args: tuple[str, ...] = (),
 ) -> dict:
     model_dir = models.ensure_model(models.BENCH_MODEL, model_cache)
@@ -418,6 +437,8 @@ def run(
         )
         if with_fio:
             backgrounds["fio"] = FioReader(ssd_path, setup.prefix_bytes)
+        if with_placebo:
+            backgrounds["placebo"] = Placebo()
         kv = connector_config.shared_pool(server.addr, dict(common.SLOW_MACHINE_CONNECTOR_TIMEOUTS))
         cfg = VllmConfig(
             model=str(model_dir), max_model_len=8192, kv_cache_bytes=setup.vllm_kv_cache_bytes,
@@ -467,7 +488,13 @@ def run(
     report["transfers"]["promoting"]["promotions_dropped_delta"] = stats1.get(
         "promotions_dropped", 0
     ) - stats0.get("promotions_dropped", 0)
+    # The SSD tier's yield to DRAM-served requests (--ssd-yield-ms): seconds its I/O was held back.
+    report["transfers"]["ssd_paced_seconds_delta"] = ssd_paced_seconds(stats1) - ssd_paced_seconds(stats0)
     return report
+
+
+def ssd_paced_seconds(stats: dict) -> float:
+    return sum(t.get("paced_seconds", 0.0) for t in stats.get("tiers", []) if t.get("name") == "ssd")
 
 
 class HotRequests:
@@ -542,7 +569,7 @@ def _plain(record: dict) -> dict:
     return {k: record[k] for k in keys if k in record}
 
 
-COLORS = {"quiet": "#9ecae1", "promoting": "#fdae6b", "fio": "#bcbddc"}
+COLORS = {"quiet": "#9ecae1", "promoting": "#fdae6b", "fio": "#bcbddc", "placebo": "#d9d9d9"}
 
 
 def plot(report: dict, path: pathlib.Path) -> None:
@@ -568,15 +595,19 @@ def plot(report: dict, path: pathlib.Path) -> None:
     )
     a.set_xlabel("round")
     a.set_ylabel("TTFT of DRAM-hit requests (ms)")
-    a.set_title("blue: quiet; orange: 1 GiB promotions; purple: fio on the same disk", fontsize=9)
+    a.set_title(
+        "blue: quiet; orange: 1 GiB promotions; purple: fio on the same disk; grey: placebo (nothing)",
+        fontsize=9,
+    )
     x = np.arange(len(rounds))
     busy = [p for p in phases if p != "quiet"]
     for j, phase in enumerate(busy):
         ratios = [r.get(f"{phase}_ratio_mean") or NAN for r in rounds]
+        bar = 0.8 / len(busy)
         b.bar(
-            x + (j - (len(busy) - 1) / 2) * 0.4,
+            x + (j - (len(busy) - 1) / 2) * bar,
             ratios,
-            0.4,
+            bar,
             color=COLORS[phase],
             label=f"{phase} / quiet (mean)",
         )
@@ -607,6 +638,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=Setup.rounds)
     ap.add_argument("--requests", type=int, default=Setup.requests_per_phase, help="hot requests per phase")
     ap.add_argument("--no-fio", action="store_true", help="leave out the fio baseline phase")
+    ap.add_argument("--no-placebo", action="store_true", help="leave out the placebo (A/A) phase")
     ap.add_argument(
         "--server-cpus",
         default="",
@@ -641,6 +673,7 @@ def main(argv: list[str] | None = None) -> int:
         args.ssd_dir,
         args.model_cache,
         with_fio=not args.no_fio,
+        with_placebo=not args.no_placebo,
         server_args=tuple(args.server_arg),
     )
     out = args.out or workdir

@@ -286,4 +286,9 @@ TIER_METRICS: dict[str, tuple[str, str, str]] = {
         "pegaflow_tier_recovery_seconds",
         "Seconds the tier's start-up recovery took",
     ),
+    "paced_seconds": (
+        "counter",
+        "pegaflow_tier_paced_seconds",
+        "Seconds new tier I/O was held back for requests served from DRAM (--ssd-yield-ms)",
+    ),
 }

@@ -80,6 +80,8 @@ def test_help_documents_every_flag_including_the_tiers():
         "--ssd-write-policy",
         "--ssd-io-engine",
         "--promote-inflight",
+        "--ssd-yield-ms",
+        "--ssd-yield-depth",
     ):
         assert flag in help_text
 
@@ -99,6 +101,17 @@ def test_the_seeds_ssd_command_parses_and_several_paths_stripe(tmp_path):
     )
     config = config_from_args(args)
     assert config.ssd_cache_paths == ("/a", "/b") and config.ssd_cache_capacity_bytes == 512 << 30
+
+
+def test_the_ssd_yield_defaults_on_and_bad_values_are_refused():
+    base = ["--pool-size", "64mb", "--ssd-cache-path", "/a", "--ssd-cache-capacity", "1gb"]
+    config = config_from_args(build_parser().parse_args(base))
+    assert (config.ssd_yield_s, config.ssd_yield_depth) == (0.03, 2)
+    off = config_from_args(build_parser().parse_args([*base, "--ssd-yield-ms", "0"]))
+    assert off.ssd_yield_s == 0
+    for bad in (["--ssd-yield-ms", "-1"], ["--ssd-yield-ms", "5000"], ["--ssd-yield-depth", "0"]):
+        with pytest.raises(ValueError, match="ssd-yield"):
+            config_from_args(build_parser().parse_args([*base, *bad]))
 
 
 def test_an_ssd_path_without_a_capacity_or_an_unopenable_one_is_refused(tmp_path):

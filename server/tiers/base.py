@@ -137,6 +137,7 @@ class TierStats:
     recovered_blocks: int = 0
     recovery_skipped: int = 0
     recovery_seconds: float = 0.0
+    paced_seconds: float = 0.0  # new I/O held back for requests served from a faster tier
 
 
 class TierFull(Exception):

@@ -33,10 +33,10 @@ def pattern(h: bytes) -> np.ndarray:
     return np.frombuffer(np.random.default_rng(abs(hash(h)) % 2**32).bytes(BLOCK), np.uint8)
 
 
-def make(ssd: SlowTier, **kw) -> KVEngine:
+def make(ssd: SlowTier, foreground=None, **kw) -> KVEngine:
     cfg = dict(pool_size_bytes=POOL, http_addr=None, slab_bytes=4 * MIB, reaper_interval_s=3600)
     cfg.update(kw)
-    return KVEngine(ServerConfig(**cfg), ssd=ssd)
+    return KVEngine(ServerConfig(**cfg), ssd=ssd, foreground=foreground)
 
 
 def save(eng: KVEngine, sid: str, iid: str, hs: list[bytes]) -> list[AllocStatus]:
@@ -266,5 +266,41 @@ def test_a_restart_recovers_what_the_lower_tier_holds(ssd, tmp_path):
         view = eng.pool_view()
         for h, off in zip(hashes(5, "r"), loaded.offsets, strict=True):
             assert np.array_equal(view[off : off + BLOCK], pattern(h))
+    finally:
+        eng.close()
+
+
+class NotedHits:
+    """Stands in for ForegroundPriority: records which queries the engine called served now."""
+
+    def __init__(self) -> None:
+        self.ready_hits = 0
+
+    def ready_hit(self) -> None:
+        self.ready_hits += 1
+
+
+def test_only_queries_served_wholly_from_dram_make_the_disk_yield(ssd):
+    noted = NotedHits()
+    eng = make(ssd, foreground=noted, ssd_write_policy="on-seal")
+    try:
+        sid = eng.open_session("t").session_id
+        iid = eng.register_instance(sid, layout()).instance_id
+        chain = hashes(6, "keep")
+        save(eng, sid, iid, chain)
+        settle(eng, ssd)
+        assert eng.query_prefix(sid, iid, chain).num_hits == 6
+        assert noted.ready_hits == 1  # all six in DRAM: served now
+        assert eng.query_prefix(sid, iid, hashes(3, "absent")).num_hits == 0
+        assert noted.ready_hits == 1  # a miss serves nothing
+        fill_dram(eng, sid, iid, "other", 32)
+        settle(eng, ssd)
+        first = eng.query_prefix(sid, iid, chain, lease=True)
+        assert first.pending == 6
+        assert noted.ready_hits == 1  # waits for the disk itself: no yield for it
+        eng.load_blocks(sid, iid, first.lease_id)
+        eng.release_lease(sid, first.lease_id)
+        assert eng.query_prefix(sid, iid, chain).num_hits == 6
+        assert noted.ready_hits == 2
     finally:
         eng.close()

@@ -57,7 +57,7 @@ from pegaflow.server.tiers.base import (
     io_bytes,
 )
 from pegaflow.server.tiers.ssd.config import SsdTierOptions
-from pegaflow.server.tiers.ssd.engines import open_engine
+from pegaflow.server.tiers.ssd.engines import IoPacer, open_engine
 from pegaflow.server.tiers.ssd.engines.base import IoOp, aligned_buffer
 from pegaflow.server.tiers.ssd.recovery import RecoveryResult, recover_volume
 from pegaflow.server.tiers.ssd.segment_format import BLOCK, SegmentHeader, encode_summary
@@ -120,13 +120,15 @@ class SsdTier(Tier):
     name = "ssd"
     persistent = True
 
-    def __init__(self, options: SsdTierOptions):
+    def __init__(self, options: SsdTierOptions, pacer: IoPacer | None = None):
+        """``pacer``: the server's say over how much I/O runs at a moment (engines/base.py)."""
         self.options = options
+        self._pacer = pacer
         self._volume = Volume(options)  # SsdConfigError: refuse to start
         v = self._volume
         try:
             self._engine = open_engine(
-                options.io_engine, options.queue_depth, os.path.dirname(v.lanes[0].path)
+                options.io_engine, options.queue_depth, os.path.dirname(v.lanes[0].path), pacer
             )
         except BaseException:
             v.close()
@@ -324,6 +326,7 @@ class SsdTier(Tier):
             out = TierStats(**{f: getattr(s, f) for f in s.__dataclass_fields__})
             out.used_bytes = self._space.used_bytes
             out.queue_depth = self._outstanding
+            out.paced_seconds = self._pacer.held_s if self._pacer is not None else 0.0
             out.health = self._health
             out.health_reason = "; ".join(
                 f"{la.path}: {la.state}: {la.reason}" for la in self._volume.lanes if la.state != LaneState.OK

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from pegaflow.server.tiers.ssd.engines.base import IoEngine, IoOp
+from pegaflow.server.tiers.ssd.engines.base import IoEngine, IoOp, IoPacer
 from pegaflow.server.tiers.ssd.engines.threads import ThreadEngine
 
 log = logging.getLogger(__name__)
@@ -32,8 +32,9 @@ ENGINES = ("auto", "io_uring", "threads")
 AUTO_PREFERENCE = "threads"
 
 
-def open_engine(kind: str, queue_depth: int, probe_dir: str) -> IoEngine:
-    """An engine of ``kind``; io_uring only after a passing probe in ``probe_dir``."""
+def open_engine(kind: str, queue_depth: int, probe_dir: str, pacer: IoPacer | None = None) -> IoEngine:
+    """An engine of ``kind``; io_uring only after a passing probe in ``probe_dir``; ``pacer``
+    (optional) limits its depth from moment to moment (engines/base.py)."""
     if kind not in ENGINES:
         raise ValueError(f"io_engine must be one of {', '.join(ENGINES)}, not {kind!r}")
     want = AUTO_PREFERENCE if kind == "auto" else kind
@@ -45,11 +46,11 @@ def open_engine(kind: str, queue_depth: int, probe_dir: str) -> IoEngine:
             from pegaflow.server.tiers.ssd.engines.uring import UringEngine
 
             try:
-                return UringEngine(queue_depth)
+                return UringEngine(queue_depth, pacer=pacer)
             except uring_binding.UringUnavailable as e:
                 why = str(e)
         log.warning("ssd tier: io_engine=%s: io_uring is unavailable (%s); using the thread pool", kind, why)
-    return ThreadEngine(queue_depth)
+    return ThreadEngine(queue_depth, pacer=pacer)
 
 
-__all__ = ["ENGINES", "IoEngine", "IoOp", "open_engine"]
+__all__ = ["ENGINES", "IoEngine", "IoOp", "IoPacer", "open_engine"]

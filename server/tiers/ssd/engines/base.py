@@ -25,6 +25,12 @@ Primitives, by role:
     Any thread, even an engine thread inside ``complete``; never blocks, never raises for I/O.
     The engine runs at most ``queue_depth`` ops at a time; the rest wait in order. Bounding the
     total queue is the tier's job (it raises TierFull before submitting).
+``IoPacer.allowed()``  (optional, the server's; engines/__init__.py passes it in)
+    Asked before an op starts: ``(depth, recheck_s)``, how many ops may be in flight now (0:
+    none may start) and after how many seconds that may have grown. The engine never starts an
+    op past it and sleeps at most ``recheck_s`` (capped) before asking again. Without a pacer
+    the limit is ``queue_depth``. Why the server slows its own tier: server/movers/
+    foreground_priority.py.
 ``IoEngine.close()``
     Cancels what has not started, waits for what the kernel still owns (so no buffer is written
     after close returns), stops the threads. Idempotent.
@@ -35,6 +41,7 @@ from __future__ import annotations
 import abc
 import mmap
 from collections.abc import Sequence
+from typing import Protocol
 
 SCRATCH_BYTES = 4096  # one record header block
 
@@ -55,6 +62,16 @@ class IoOp(abc.ABC):
 
     @abc.abstractmethod
     def cancel(self) -> None: ...
+
+
+class IoPacer(Protocol):
+    held_s: float  # seconds it has held new I/O back in all (the tier's stats show it)
+
+    def allowed(self) -> tuple[int, float]: ...
+
+
+# An engine waiting on its pacer re-asks at least this often (a pacer's recheck is a hint).
+PACER_MAX_SLEEP_S = 0.05
 
 
 class IoEngine(abc.ABC):

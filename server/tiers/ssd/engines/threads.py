@@ -2,6 +2,9 @@
 ``os.preadv`` at a time (CPython releases the GIL for the syscall, so the bytes move without it
 and straight between the caller's buffer and the disk under O_DIRECT).
 
+With a pacer (engines/base.py IoPacer) a thread that took an op waits until the pacer allows one
+more in flight.
+
 Works wherever Python does; it is the fallback when io_uring is unavailable, and the measured
 numbers of both engines are in engines/__init__.py.
 """
@@ -15,7 +18,14 @@ import queue
 import threading
 from collections.abc import Sequence
 
-from pegaflow.server.tiers.ssd.engines.base import SCRATCH_BYTES, IoEngine, IoOp, aligned_buffer
+from pegaflow.server.tiers.ssd.engines.base import (
+    PACER_MAX_SLEEP_S,
+    SCRATCH_BYTES,
+    IoEngine,
+    IoOp,
+    IoPacer,
+    aligned_buffer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -25,13 +35,14 @@ _STOP = None
 class ThreadEngine(IoEngine):
     name = "threads"
 
-    def __init__(self, queue_depth: int, thread_name: str = "ssd-io"):
+    def __init__(self, queue_depth: int, thread_name: str = "ssd-io", pacer: IoPacer | None = None):
         if queue_depth < 1:
             raise ValueError("queue_depth must be >= 1")
         self.queue_depth = queue_depth
+        self._pacer = pacer
         self._queue: queue.SimpleQueue[IoOp | None] = queue.SimpleQueue()
         self._closing = False
-        self._lock = threading.Lock()  # guards _running only (a gauge)
+        self._slots = threading.Condition(threading.Lock())  # guards _running
         self._running = 0
         self._threads = [
             threading.Thread(target=self._work, name=f"{thread_name}-{i}", daemon=True)
@@ -58,22 +69,35 @@ class ThreadEngine(IoEngine):
             op = self._queue.get()
             if op is _STOP:
                 return
-            if self._closing:
-                _cancel(op)
-                continue
-            with self._lock:
-                self._running += 1
+            self._start_slot()
             try:
-                _run(op, scratch)
+                if self._closing:
+                    _cancel(op)
+                else:
+                    _run(op, scratch)
             finally:
                 del op  # the caller's buffers are not held past completion
-                with self._lock:
+                with self._slots:
                     self._running -= 1
+                    self._slots.notify()
+
+    def _start_slot(self) -> None:
+        """Counts this thread's op in flight, once the pacer allows one more."""
+        with self._slots:
+            pacer = self._pacer
+            while pacer is not None and not self._closing:
+                limit, recheck_s = pacer.allowed()
+                if self._running < limit:
+                    break
+                self._slots.wait(min(recheck_s, PACER_MAX_SLEEP_S))
+            self._running += 1
 
     def close(self) -> None:
         if self._closing:
             return
         self._closing = True
+        with self._slots:
+            self._slots.notify_all()  # threads waiting on the pacer cancel their ops
         for _ in self._threads:
             self._queue.put(_STOP)
         for t in self._threads:

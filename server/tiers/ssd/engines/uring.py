@@ -7,6 +7,9 @@ buffers and the disk (O_DIRECT): no copy, no GIL, no thread per request.
 New work must wake a thread that waits in the kernel: a read of an eventfd is always queued in
 the ring, and ``submit`` bumps the eventfd, which completes that read. The binding is
 engines/uring_binding.py (cffi over the system liburing).
+
+With a pacer (engines/base.py IoPacer) the thread queues no more SQEs than it allows; when it
+allows none and nothing is in flight, the thread sleeps until it may ask again.
 """
 
 from __future__ import annotations
@@ -19,7 +22,14 @@ import threading
 import time
 from collections.abc import Sequence
 
-from pegaflow.server.tiers.ssd.engines.base import SCRATCH_BYTES, IoEngine, IoOp, aligned_buffer
+from pegaflow.server.tiers.ssd.engines.base import (
+    PACER_MAX_SLEEP_S,
+    SCRATCH_BYTES,
+    IoEngine,
+    IoOp,
+    IoPacer,
+    aligned_buffer,
+)
 from pegaflow.server.tiers.ssd.engines.uring_binding import UringUnavailable, load
 
 log = logging.getLogger(__name__)
@@ -31,10 +41,11 @@ _MAX_IOV = 8
 class UringEngine(IoEngine):
     name = "io_uring"
 
-    def __init__(self, queue_depth: int, thread_name: str = "ssd-uring"):
+    def __init__(self, queue_depth: int, thread_name: str = "ssd-uring", pacer: IoPacer | None = None):
         if queue_depth < 1:
             raise ValueError("queue_depth must be >= 1")
         self.queue_depth = queue_depth
+        self._pacer = pacer
         self._ffi, self._lib = load()
         ffi, lib = self._ffi, self._lib
         ring = ffi.new("struct pf_ring **")
@@ -138,8 +149,14 @@ class UringEngine(IoEngine):
                 if self._running == 0:
                     return
             else:
-                while self._inbox and self._free_slots:
+                pacer = self._pacer
+                limit, recheck_s = pacer.allowed() if pacer is not None else (self.queue_depth, 0.0)
+                while self._inbox and self._free_slots and self._running < limit:
                     self._start(self._inbox.popleft())
+                if self._inbox and self._running == 0 and limit == 0:
+                    # Nothing will complete to wake the ring: wait for the pacer here instead.
+                    time.sleep(min(recheck_s, PACER_MAX_SLEEP_S))
+                    continue
             n = lib.pf_submit_reap(self._ring, 1, self._ud, self._res, self._reap)
             if n < 0:
                 # The ring call itself failed (not one I/O; EINTR/EAGAIN/EBUSY are retried in C).
