@@ -46,7 +46,7 @@ import urllib.request
 
 import numpy as np
 
-from pegaflow.client import KvLayout, PegaClient, read_blocks, write_blocks
+from pegaflow.client import KvLayout, PegaClient, block_checksums, read_blocks, verify_blocks, write_blocks
 from pegaflow.server.config import parse_size
 from pegaflow.server.testing import ServerProcess
 from pegaflow.server.tiers.dram.region import read_meminfo
@@ -128,26 +128,31 @@ def throughput(addr: str, block_bytes: int, batch_blocks: int, rounds: int, infl
         pages = c.pool_view()[::4096]
         pages[:] = pages.copy()
 
-        def save(k: int, round_ids) -> None:
+        def save(k: int, round_ids, summed: bool = False) -> None:
             for r in round_ids:
-                hashes = [f"{k}-{r}-{i}".encode() for i in range(batch_blocks)]
+                hashes = [f"{k}-{r}-{'s' if summed else ''}{i}".encode() for i in range(batch_blocks)]
                 t0 = time.perf_counter()
                 batch = c.allocate(inst, hashes)
                 t1 = time.perf_counter()
-                write_blocks(c.pool_view(batch.epoch), batch.allocations, src[k])
+                view = c.pool_view(batch.epoch)
+                write_blocks(view, batch.allocations, src[k])
+                sums = block_checksums(view, batch.allocations) if summed else ()
                 t2 = time.perf_counter()
-                c.seal(batch.save_id)
+                c.seal(batch.save_id, checksums=sums)
                 rpc_s.append((t1 - t0) + (time.perf_counter() - t2))
                 if not all(a.granted for a in batch.allocations):
                     raise RuntimeError("benchmark batch was not fully granted")
                 last[k], last_allocs[k] = hashes, batch.allocations
 
-        def load(k: int, n: int) -> None:
+        def load(k: int, n: int, summed: bool = False) -> None:
             for _ in range(n):
                 t0 = time.perf_counter()
                 hit = c.query_prefix(inst, last[k], lease=True)
                 t1 = time.perf_counter()
-                read_blocks(c.pool_view(hit.epoch), hit.locations, out[k])
+                view = c.pool_view(hit.epoch)
+                if summed and verify_blocks(view, hit.locations) != len(hit.locations):
+                    raise RuntimeError("a benchmark block failed its checksum")
+                read_blocks(view, hit.locations, out[k])
                 # As the connector does: the load is done once the bytes are out; the release goes
                 # off the critical path.
                 c.release(hit.lease_id, loaded_bytes=out[k].nbytes, wait=False)
@@ -194,6 +199,12 @@ def throughput(addr: str, block_bytes: int, batch_blocks: int, rounds: int, infl
                 "load_vs_memcpy",
                 "save_vs_pool_memcpy",
                 "load_vs_pool_memcpy",
+                # block_checksums on (connector key): the writer hashes what it wrote, the reader
+                # checks before it copies (client/block_copy.py), same round, same bytes.
+                "save_checksummed_gbps",
+                "load_checksummed_gbps",
+                "save_checksummed_vs_memcpy",
+                "load_checksummed_vs_memcpy",
             )
         }
         save_rpc, load_rpc = [], []
@@ -208,6 +219,15 @@ def throughput(addr: str, block_bytes: int, batch_blocks: int, rounds: int, infl
             load_rpc.extend(rpc_s)
             t_plain_b = run_threads(plain_read, inflight)
             t_pool_r = run_threads(pool_read, inflight)
+            rpc_s.clear()
+            t_save_sum = run_threads(
+                lambda k, r=r: save(k, [f"{r}.{i}" for i in range(PER_ROUND)], summed=True), inflight
+            )
+            t_load_sum = run_threads(lambda k: load(k, PER_ROUND, summed=True), inflight)
+            rows["save_checksummed_gbps"].append(round_bytes / t_save_sum / 1e9)
+            rows["load_checksummed_gbps"].append(round_bytes / t_load_sum / 1e9)
+            rows["save_checksummed_vs_memcpy"].append(t_plain_a / t_save_sum)
+            rows["load_checksummed_vs_memcpy"].append(t_plain_b / t_load_sum)
             for name, t in (("save_gbps", t_save), ("load_gbps", t_load), ("memcpy_gbps", t_plain_a),
                             ("memcpy_gbps", t_plain_b), ("pool_memcpy_write_gbps", t_pool_w),
                             ("pool_memcpy_read_gbps", t_pool_r)):  # fmt: skip
@@ -229,6 +249,10 @@ def throughput(addr: str, block_bytes: int, batch_blocks: int, rounds: int, infl
         **{name: med(values) for name, values in rows.items()},
         "save_vs_memcpy_per_round": rows["save_vs_memcpy"],
         "load_vs_memcpy_per_round": rows["load_vs_memcpy"],
+        "save_checksummed_vs_memcpy_worst": min(rows["save_checksummed_vs_memcpy"]),
+        "load_checksummed_vs_memcpy_worst": min(rows["load_checksummed_vs_memcpy"]),
+        "save_vs_memcpy_worst": min(rows["save_vs_memcpy"]),
+        "load_vs_memcpy_worst": min(rows["load_vs_memcpy"]),
         "save_rpc_ms_median": med(save_rpc) * 1e3,
         "load_rpc_ms_median": med(load_rpc) * 1e3,
         "evictions_so_far": stats.evictions,
@@ -358,7 +382,14 @@ def main() -> int:
         "--part",
         choices=["all", "throughput", "latency"],
         default="all",
-        help="run one part only (prints, writes nothing)",
+        help="run one part only (prints; writes only with --part-out)",
+    )
+    ap.add_argument(
+        "--part-out",
+        type=pathlib.Path,
+        default=None,
+        metavar="JSON",
+        help="with --part throughput: write that part's results here, and a plot beside it (.png)",
     )
     ap.add_argument(
         "--use-hugepages",
@@ -416,6 +447,19 @@ def main() -> int:
             results["query_latency"] = run_latency(tmp, seconds)
     results["load_average_at_end"] = os.getloadavg()
     if args.part != "all":
+        if args.part_out is not None and "throughput" in results:
+            args.part_out.parent.mkdir(parents=True, exist_ok=True)
+            args.part_out.write_text(json.dumps(results, indent=2) + "\n")
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+
+            fig, ax = plt.subplots(figsize=(12, 4.5))
+            _throughput_panel(ax, results["throughput"]["rows"], "save / load vs same-run memcpy")
+            fig.tight_layout()
+            fig.savefig(args.part_out.with_suffix(".png"), dpi=110)
+            plt.close(fig)
         return 0
     ratios = {}
     cases = results["query_latency"]["cases"]
@@ -583,7 +627,11 @@ def _run_throughput(tmp: pathlib.Path, rounds: int, backing: str) -> dict:
                 )
                 vs_pool = f"vs pool memcpy {row['save_vs_pool_memcpy']:.0%}/{row['load_vs_pool_memcpy']:.0%}"
                 rpc = f"rpc ms/batch {row['save_rpc_ms_median']:.2f}/{row['load_rpc_ms_median']:.2f}"
-                print(f"  {size}: {save}, {loaded}; {refs}; {vs_pool}; {rpc}", flush=True)
+                summed = (
+                    f"checksummed save/load {row['save_checksummed_vs_memcpy']:.0%}/"
+                    f"{row['load_checksummed_vs_memcpy']:.0%}"
+                )
+                print(f"  {size}: {save}, {loaded}; {refs}; {vs_pool}; {rpc}; {summed}", flush=True)
     return {"backing": BACKINGS[backing], "rows": rows, "load_average": load.summary()}
 
 
@@ -615,22 +663,24 @@ def run_latency(tmp: pathlib.Path, seconds: float) -> dict:
 def _throughput_panel(ax, rows: list[dict], title: str) -> None:
     labels = [f"{r['block_bytes'] // KIB}K x{r['batch_blocks']}\n{r['inflight']} in fl." for r in rows]
     x = np.arange(len(rows))
-    w = 0.2
-    bars = (
-        ("memcpy_gbps", "numpy memcpy, plain arrays", "#999999"),
-        ("pool_memcpy_write_gbps", "numpy memcpy into pool, no RPC", "#cccccc"),
-        ("save_gbps", "save via pool (incl. RPCs)", "#1f77b4"),
-        ("load_gbps", "load via pool (incl. RPCs)", "#2ca02c"),
-    )
-    for i, (key, label, color) in enumerate(bars):
-        ax.bar(x + (i - 1.5) * w, [r[key] for r in rows], w, label=label, color=color)
-    for i, r in enumerate(rows):
-        ax.text(
-            i + 0.5 * w, r["save_gbps"], f"{r['save_vs_memcpy']:.0%}", ha="center", va="bottom", fontsize=7
-        )
-        ax.text(
-            i + 1.5 * w, r["load_gbps"], f"{r['load_vs_memcpy']:.0%}", ha="center", va="bottom", fontsize=7
-        )
+    bars = [
+        ("memcpy_gbps", "numpy memcpy, plain arrays", "#999999", None),
+        ("pool_memcpy_write_gbps", "numpy memcpy into pool, no RPC", "#cccccc", None),
+        ("save_gbps", "save via pool (incl. RPCs)", "#1f77b4", "save_vs_memcpy"),
+        ("load_gbps", "load via pool (incl. RPCs)", "#2ca02c", "load_vs_memcpy"),
+    ]
+    if rows and "save_checksummed_gbps" in rows[0]:
+        bars += [
+            ("save_checksummed_gbps", "save + writer's checksums", "#9ecae1", "save_checksummed_vs_memcpy"),
+            ("load_checksummed_gbps", "load + checked before copy", "#a1d99b", "load_checksummed_vs_memcpy"),
+        ]
+    w = 0.8 / len(bars)
+    for i, (key, label, color, ratio) in enumerate(bars):
+        pos = x + (i - (len(bars) - 1) / 2) * w
+        ax.bar(pos, [r[key] for r in rows], w, label=label, color=color)
+        if ratio is not None:
+            for p, r in zip(pos, rows, strict=True):
+                ax.text(p, r[key], f"{r[ratio]:.0%}", ha="center", va="bottom", fontsize=6)
     ax.set_xticks(x, labels, fontsize=8)
     ax.set_ylabel("GB/s (median of rounds)")
     ax.set_title(title, fontsize=10)

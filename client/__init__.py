@@ -8,7 +8,7 @@ talks to a server pays for no more than the client.
 
 from pegaflow.client import errors
 from pegaflow.client.aio import AsyncPegaClient
-from pegaflow.client.block_copy import read_blocks, write_blocks
+from pegaflow.client.block_copy import block_checksums, read_blocks, verify_blocks, write_blocks
 from pegaflow.client.sync import PegaClient
 from pegaflow.client.types import (
     Allocation,
@@ -36,7 +36,9 @@ __all__ = [
     "SaveBatch",
     "ServerLimits",
     "Tier",
+    "block_checksums",
     "errors",
     "read_blocks",
+    "verify_blocks",
     "write_blocks",
 ]

@@ -119,9 +119,14 @@ class AsyncPegaClient:
         return await asyncio.to_thread(self.sync.load_blocks, inst, lease_id, timeout_s)
 
     async def release(
-        self, lease_id: str, loaded_bytes: int = 0, timeout_s: float | None = None, wait: bool = True
+        self,
+        lease_id: str,
+        loaded_bytes: int = 0,
+        timeout_s: float | None = None,
+        wait: bool = True,
+        corrupt_hashes: Sequence[bytes] = (),
     ) -> None:
-        await asyncio.to_thread(self.sync.release, lease_id, loaded_bytes, timeout_s, wait)
+        await asyncio.to_thread(self.sync.release, lease_id, loaded_bytes, timeout_s, wait, corrupt_hashes)
 
     async def allocate(
         self, inst: InstanceHandle, hashes: Sequence[bytes], timeout_s: float | None = None
@@ -129,9 +134,13 @@ class AsyncPegaClient:
         return await asyncio.to_thread(self.sync.allocate, inst, hashes, timeout_s)
 
     async def seal(
-        self, save_id: str, hashes: Sequence[bytes] | None = None, timeout_s: float | None = None
+        self,
+        save_id: str,
+        hashes: Sequence[bytes] | None = None,
+        timeout_s: float | None = None,
+        checksums: Sequence[int] = (),
     ) -> int:
-        return await asyncio.to_thread(self.sync.seal, save_id, hashes, timeout_s)
+        return await asyncio.to_thread(self.sync.seal, save_id, hashes, timeout_s, checksums)
 
     async def abort(self, save_id: str, timeout_s: float | None = None) -> int:
         return await asyncio.to_thread(self.sync.abort, save_id, timeout_s)

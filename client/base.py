@@ -254,8 +254,12 @@ class ClientBase:
             instance_id=self._instance_id(inst), block_hashes=self._hashes(hashes), save_id=codec.new_id("w-")
         )
 
-    def _seal_request(self, save_id: str, hashes: Sequence[bytes] | None) -> pb.SealBlocksRequest:
-        return pb.SealBlocksRequest(save_id=save_id, block_hashes=self._hashes(hashes or ()))
+    def _seal_request(
+        self, save_id: str, hashes: Sequence[bytes] | None, checksums: Sequence[int] = ()
+    ) -> pb.SealBlocksRequest:
+        return pb.SealBlocksRequest(
+            save_id=save_id, block_hashes=self._hashes(hashes or ()), checksums=list(checksums)
+        )
 
     # ------------------------------------------------------------- reconnect rules
 

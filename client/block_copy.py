@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pegaflow.common.wire.checksum import checksum
+
 
 def _runs(locations: Sequence) -> list[tuple[int, int, int, int]]:
     """(first index, count, pool offset, block length) of maximal runs of adjacent, equal-length locations."""
@@ -91,3 +93,22 @@ def read_blocks(view: np.ndarray, locations: Sequence, out) -> int:
                 np.copyto(_row(out, first + k, length), view[start : start + length])
         copied += count * length
     return copied
+
+
+def block_checksums(view: np.ndarray, locations: Sequence) -> list[int]:
+    """XXH3-64 of each located block's bytes in the pool, skipping None / zero-length entries: what
+    ``seal(save_id, checksums=...)`` takes for a SaveBatch's ``allocations`` once they are written.
+    The hash releases the GIL (~18 GB/s on one core here, about twice a memcpy)."""
+    _check(view, locations, locations)
+    return [checksum(view[loc.offset : loc.offset + loc.length]) for loc in locations if loc and loc.length]
+
+
+def verify_blocks(view: np.ndarray, locations: Sequence) -> int:
+    """How many leading ``locations`` hold the bytes their checksum names (a location whose checksum
+    is 0, not known, counts as holding them). The first that does not ends the prefix: report its
+    hash in ``release(corrupt_hashes=...)`` and treat it and the rest as misses."""
+    _check(view, locations, locations)
+    for i, loc in enumerate(locations):
+        if loc.checksum and checksum(view[loc.offset : loc.offset + loc.length]) != loc.checksum:
+            return i
+    return len(locations)

@@ -69,13 +69,10 @@ _TIER = {t.value: t for t in Tier}
 
 def locations(cols: pb.BlockLocations) -> list[Location]:
     length = cols.block_bytes
-    if not cols.tiers:
-        dram = Tier.DRAM
-        return [Location(offset, length, dram) for offset in cols.offsets]
-    return [
-        Location(offset, length, _TIER.get(t, Tier.DRAM))
-        for offset, t in zip(cols.offsets, cols.tiers, strict=True)
-    ]
+    n = len(cols.offsets)
+    tiers = [_TIER.get(t, Tier.DRAM) for t in cols.tiers] if cols.tiers else [Tier.DRAM] * n
+    sums = list(cols.checksums) if len(cols.checksums) == n else [0] * n
+    return [Location(offset, length, t, c) for offset, t, c in zip(cols.offsets, tiers, sums, strict=True)]
 
 
 def prefix_hit(resp: pb.QueryPrefixResponse) -> PrefixHit:

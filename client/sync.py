@@ -194,11 +194,20 @@ class PegaClient(ClientBase):
         return codec.locations(self._call("LoadBlocks", req, timeout_s).locations)
 
     def release(
-        self, lease_id: str, loaded_bytes: int = 0, timeout_s: float | None = None, wait: bool = True
+        self,
+        lease_id: str,
+        loaded_bytes: int = 0,
+        timeout_s: float | None = None,
+        wait: bool = True,
+        corrupt_hashes: Sequence[bytes] = (),
     ) -> None:
         """Ends a lease. ``wait=False`` sends the release without waiting for its answer: a load is
-        done once its bytes are copied, and a release that fails leaves the lease to its TTL."""
-        req = pb.ReleaseLeaseRequest(lease_id=lease_id, loaded_bytes=loaded_bytes)
+        done once its bytes are copied, and a release that fails leaves the lease to its TTL.
+        ``corrupt_hashes``: blocks of the lease whose bytes failed their checksum (``verify_blocks``):
+        the server checks them itself and drops those that fail."""
+        req = pb.ReleaseLeaseRequest(
+            lease_id=lease_id, loaded_bytes=loaded_bytes, corrupt_block_hashes=list(corrupt_hashes)
+        )
         if wait:
             self._call("ReleaseLease", req, timeout_s)
         else:
@@ -223,10 +232,17 @@ class PegaClient(ClientBase):
             raise
 
     def seal(
-        self, save_id: str, hashes: Sequence[bytes] | None = None, timeout_s: float | None = None
+        self,
+        save_id: str,
+        hashes: Sequence[bytes] | None = None,
+        timeout_s: float | None = None,
+        checksums: Sequence[int] = (),
     ) -> int:
-        """Makes written blocks visible (all granted blocks of the save, or the listed ones)."""
-        return self._call("SealBlocks", self._seal_request(save_id, hashes), timeout_s).sealed
+        """Makes written blocks visible (all granted blocks of the save, or the listed ones).
+        ``checksums``: one per sealed block (``block_checksums`` of what was written), handed back
+        to readers with each block's location."""
+        req = self._seal_request(save_id, hashes, checksums)
+        return self._call("SealBlocks", req, timeout_s).sealed
 
     def abort(self, save_id: str, timeout_s: float | None = None) -> int:
         return self._call("AbortBlocks", pb.AbortBlocksRequest(save_id=save_id), timeout_s).freed

@@ -222,7 +222,8 @@ class TokenSource:
         self._failed_state = state
 
 
-def _bearer_tokens(metadata: Sequence[tuple[str, str | bytes]] | None) -> list[bytes]:
+def bearer_tokens(metadata: Sequence[tuple[str, str | bytes]] | None) -> list[bytes]:
+    """The tokens a call's metadata carries as ``authorization: Bearer <token>``."""
     out = []
     for key, value in metadata or ():
         if key == TOKEN_METADATA_KEY:
@@ -236,7 +237,7 @@ def _bearer_tokens(metadata: Sequence[tuple[str, str | bytes]] | None) -> list[b
 def token_accepted(metadata, tokens: Sequence[str]) -> bool:
     """Whether the call's metadata carries one of ``tokens``; every comparison runs in constant time."""
     ok = False
-    for sent in _bearer_tokens(metadata):
+    for sent in bearer_tokens(metadata):
         for token in tokens:
             ok |= hmac.compare_digest(sent, token.encode())
     return ok
@@ -265,11 +266,22 @@ def _refusal_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMe
     return grpc.unary_unary_rpc_method_handler(refuse)
 
 
+class TokenSet:
+    """Several sources' tokens accepted alike (a server's auth token file and its tenant file):
+    anything with a ``tokens()`` method."""
+
+    def __init__(self, *sources) -> None:
+        self._sources = sources
+
+    def tokens(self) -> tuple[str, ...]:
+        return tuple(token for source in self._sources for token in source.tokens())
+
+
 class TokenAuthInterceptor(grpc.ServerInterceptor):
     """Lets a call through when its metadata carries an accepted token; UNAUTHENTICATED otherwise.
     Methods under ``open_prefixes`` (health) pass without one. ``refused`` counts refusals."""
 
-    def __init__(self, tokens: TokenSource, service_name: str, open_prefixes=OPEN_METHOD_PREFIXES):
+    def __init__(self, tokens: TokenSource | TokenSet, service_name: str, open_prefixes=OPEN_METHOD_PREFIXES):
         self._tokens = tokens
         self._open = tuple(open_prefixes)
         self._missing = (
@@ -289,7 +301,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
             return handler
         with self._refused_lock:
             self.refused += 1
-        return _refusal_handler(handler, self._wrong if _bearer_tokens(metadata) else self._missing)
+        return _refusal_handler(handler, self._wrong if bearer_tokens(metadata) else self._missing)
 
 
 def read_pem(path: str, what: str) -> bytes:
@@ -358,14 +370,19 @@ class ServerAuth:
                 f"{names['tls_key_file']}: the server's own certificate"
             )
 
-    def open(self, service_name: str) -> ServerSecurity:
-        """Reads every file now; AuthConfigError for any that cannot be used."""
+    def open(self, service_name: str, extra_tokens=None) -> ServerSecurity:
+        """Reads every file now; AuthConfigError for any that cannot be used. ``extra_tokens``
+        (anything with ``tokens()``, e.g. a tenant table) are accepted beside the token file's."""
         self.check()
         names = self.flag_names
         interceptors: tuple[grpc.ServerInterceptor, ...] = ()
+        sources = []
         if self.token_file is not None:
-            tokens = TokenSource(self.token_file, what=names["token_file"])
-            interceptors = (TokenAuthInterceptor(tokens, service_name),)
+            sources.append(TokenSource(self.token_file, what=names["token_file"]))
+        if extra_tokens is not None:
+            sources.append(extra_tokens)
+        if sources:
+            interceptors = (TokenAuthInterceptor(TokenSet(*sources), service_name),)
         credentials = None
         if self.tls_cert_file is not None:
             cert = read_pem(self.tls_cert_file, names["tls_cert_file"])
@@ -385,7 +402,7 @@ class ServerAuth:
         return ServerSecurity(
             interceptors=interceptors,
             credentials=credentials,
-            token=self.token_file is not None,
+            token=bool(sources),
             mutual_tls=self.tls_client_ca_file is not None,
         )
 

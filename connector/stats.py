@@ -114,6 +114,12 @@ COUNTERS: tuple[Series, ...] = (
         "worker",
     ),
     Series(
+        "load_corrupt_blocks",
+        "vllm:pegaflow_load_corrupt_blocks",
+        "Blocks whose pool bytes did not match their writer's checksum (block_checksums): recomputed.",
+        "worker",
+    ),
+    Series(
         "load_timeouts",
         "vllm:pegaflow_load_timeouts",
         "Steps whose loads missed load_timeout_ms on a rank (what had not landed is recomputed).",
@@ -270,6 +276,7 @@ class PegaKVConnectorStats(KVConnectorStats):
             "lookup_failures",
             "lookups_skipped",
             "load_failed_blocks",
+            "load_corrupt_blocks",
             "load_timeouts",
             "save_dropped_blocks",
             "save_failures",

@@ -126,6 +126,7 @@ class _LoadJob:
         self.leases: list[str] = []
         self.leases_released = False
         self.landed_bytes = 0
+        self.corrupt: dict[str, list[bytes]] = {}  # lease id -> hashes whose bytes failed their checksum
         # timings for the debug log and the stats (monotonic seconds)
         self.t_submit = time.monotonic()
         self.t_leased = 0.0
@@ -509,9 +510,9 @@ class WorkerConnector:
             # The copies ran long after the lease was taken (this process was stopped or starved
             # past the session TTL?): the server may have ended the lease and reused the slots
             # while they were read. Ask it before the bytes are trusted (issue 12, item 3).
-            lease_lost = not self._release_verified(leases, job.landed_bytes)
+            lease_lost = not self._release_verified(leases, job.landed_bytes, job.corrupt)
         elif leases:
-            self._housekeeping.submit(self._release, leases, job.landed_bytes)
+            self._housekeeping.submit(self._release, leases, job.landed_bytes, job.corrupt)
         complete = self.active and landed == len(self.layer_names) and not lease_lost
         failed_reqs: set[str] = set()
         m = self.metrics
@@ -728,10 +729,32 @@ class WorkerConnector:
                 break  # the server restarted between two batches
             epoch = hit.epoch
             n = min(int(hit.num_hits), len(hit.locations), len(chunk))
+            if self.cfg.block_checksums and n:
+                good = self._verified(client, hit, n)
+                if good < n:
+                    job.corrupt.setdefault(hit.lease_id, []).append(chunk[good])
+                    locations.extend(hit.locations[:good])
+                    break
             locations.extend(hit.locations[:n])
             if n < len(chunk):
                 break
         return locations, epoch
+
+    def _verified(self, client: Any, hit: Any, n: int) -> int:
+        """How many of the hit's first ``n`` blocks hold the bytes their writer hashed (checked in
+        the pool, before any is copied; XXH3 releases the GIL). The first that does not ends the
+        prefix: it and the rest are recomputed, and the server is told with the release."""
+        from pegaflow.client import verify_blocks
+
+        good = verify_blocks(client.pool_view(hit.epoch), hit.locations[:n])
+        if good < n:
+            self.stats["load_blocks_corrupt"] += 1
+            self.metrics.add("load_corrupt_blocks")
+            log.warning(
+                "pegaflow: a loaded block does not match its checksum (pool offset %d); recomputing from it",
+                hit.locations[good].offset,
+            )
+        return good
 
     def _lease_may_have_lapsed(self, job: _LoadJob) -> bool:
         """True when the time since the lease was taken is a fair share of the session's TTL: only
@@ -742,7 +765,9 @@ class WorkerConnector:
         ttl = usable[0].session_ttl_s if usable is not None else 0.0
         return time.monotonic() - job.t_lease_asked > max(ttl, 1.0) / 4
 
-    def _release_verified(self, leases: list[str], loaded_bytes: int) -> bool:
+    def _release_verified(
+        self, leases: list[str], loaded_bytes: int, corrupt: dict[str, list[bytes]] | None = None
+    ) -> bool:
         """Releases and waits for the answer: False when the server no longer knew a lease (it
         expired, or its session ended): what was read under it may be another block's bytes."""
         from pegaflow.client import errors
@@ -755,7 +780,10 @@ class WorkerConnector:
         for i, lease_id in enumerate(leases):
             try:
                 client.release(
-                    lease_id, loaded_bytes=loaded_bytes if i == 0 else 0, timeout_s=self.cfg.rpc_timeout_s
+                    lease_id,
+                    loaded_bytes=loaded_bytes if i == 0 else 0,
+                    timeout_s=self.cfg.rpc_timeout_s,
+                    corrupt_hashes=(corrupt or {}).get(lease_id, ()),
                 )
             except errors.PegaflowError as exc:
                 ok = False
@@ -766,7 +794,9 @@ class WorkerConnector:
             self.stats["load_leases_lost"] += 1  # its blocks are counted as failed loads
         return ok
 
-    def _release(self, leases: list[str], loaded_bytes: int) -> None:
+    def _release(
+        self, leases: list[str], loaded_bytes: int, corrupt: dict[str, list[bytes]] | None = None
+    ) -> None:
         from pegaflow.client import errors
 
         usable = self.link.usable() if self.link is not None else None
@@ -783,6 +813,7 @@ class WorkerConnector:
                     loaded_bytes=loaded_bytes if i == 0 else 0,
                     timeout_s=self.cfg.rpc_timeout_s,
                     wait=False,
+                    corrupt_hashes=(corrupt or {}).get(lease_id, ()),
                 )
             except errors.PegaflowError as exc:
                 log.debug("pegaflow: releasing lease %s failed: %s", lease_id, exc)
@@ -972,8 +1003,15 @@ class WorkerConnector:
                     return False
                 self.pages.save_blocks(pool, runs)
             del pool
+            checksums = ()
+            if self.cfg.block_checksums:
+                from pegaflow.client import block_checksums
+
+                checksums = block_checksums(
+                    client.pool_view(batch.epoch), [batch.allocations[i] for i in granted]
+                )
             t2 = time.monotonic()
-            client.seal(batch.save_id, timeout_s=self.cfg.rpc_timeout_s)
+            client.seal(batch.save_id, timeout_s=self.cfg.rpc_timeout_s, checksums=checksums)
             if _trace.enabled:
                 _trace.span("save_copy", t1, t2, blocks=len(granted))
                 _trace.span("save_seal", t2)

@@ -97,7 +97,7 @@ class ServerConfig:
     ssd_io_engine: str = "auto"  # auto | io_uring | threads
     ssd_segment_bytes: int = 0  # 0: the tier's default
     ssd_queue_depth: int = 0  # I/Os in flight over all paths; 0: the tier's default
-    # SSD I/O yields to requests served from DRAM (server/movers/foreground_priority.py): no new I/O
+    # SSD reads yield to requests served from DRAM (server/movers/foreground_priority.py): no new read
     # for ssd_yield_s after such a query (0: never yield), at most ssd_yield_depth in flight for a
     # second after one.
     ssd_yield_s: float = 0.03
@@ -128,6 +128,9 @@ class ServerConfig:
     # ---- Remote access (common/auth.py, server/remote_access.py). All unset: plaintext gRPC that any
     # caller who reaches --addr may use, exactly as before (the default --addr is loopback).
     auth_token_file: str | None = None  # tokens accepted on --addr (Engine and PeerTransfer alike)
+    # Tenants (server/clients/tenants.py): NAME TOKEN [limits] per line; a session opened with a
+    # tenant's token acts for it, in namespaces of its own. Its tokens are accepted on --addr too.
+    tenant_file: str | None = None
     tls_cert_file: str | None = None  # TLS on --addr; also this node's client certificate to peers
     tls_key_file: str | None = None
     tls_client_ca_file: str | None = None  # mutual TLS: callers need a certificate this CA signed

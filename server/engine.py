@@ -37,11 +37,13 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from pegaflow import __version__
+from pegaflow.common.wire.checksum import checksum
 from pegaflow.common.wire.types import AllocStatus, Location, QueryPurpose, Tier
 from pegaflow.server.clients.leases import Lease
 from pegaflow.server.clients.registry import ClientRegistry
 from pegaflow.server.clients.saves import Save
 from pegaflow.server.clients.sessions import Session
+from pegaflow.server.clients.tenants import DEFAULT_TENANT, Tenant
 from pegaflow.server.config import ServerConfig
 from pegaflow.server.errors import (
     Closed,
@@ -59,7 +61,7 @@ from pegaflow.server.store import persistence
 from pegaflow.server.store.block_store import BlockStore, IoBatch, StoreLimits
 from pegaflow.server.store.index import BlockEntry
 from pegaflow.server.store.namespace import KvLayout, NamespaceTable
-from pegaflow.server.store.stats import ClientCounters, EngineStats, NamespaceStats
+from pegaflow.server.store.stats import ClientCounters, EngineStats, NamespaceStats, TenantStats
 from pegaflow.server.tiers.base import IoStatus
 from pegaflow.server.tiers.base import Tier as TierBase
 from pegaflow.server.tiers.dram.journal import FILE_NAME as JOURNAL_FILE
@@ -91,6 +93,9 @@ class InstanceInfo:
     block_bytes: int
 
 
+MAX_CORRUPT_CHECKS = 4  # reported blocks hashed again per ReleaseLease
+
+
 @dataclasses.dataclass(frozen=True)
 class PrefixResult:
     num_hits: int  # leading blocks readable in DRAM now
@@ -101,6 +106,7 @@ class PrefixResult:
     pending: int = 0  # blocks after them being promoted / fetched (LoadBlocks waits for them)
     sources: tuple[Tier, ...] = ()  # where each of the num_hits + pending blocks was found
     searching: bool = False  # other nodes are being asked for the blocks after these
+    checksums: tuple[int, ...] = ()  # per readable hit: XXH3-64 of its bytes as written, 0 unknown
 
     @property
     def locations(self) -> list[Location]:
@@ -170,6 +176,7 @@ class KVEngine:
             raise
         self.ssd = ssd
         self.counters = ClientCounters()
+        self._tenant_refusals: dict[str, int] = {}  # quota refusals per tenant name (a counter)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # a transfer completed
         self._namespaces = NamespaceTable(config.max_namespaces)
@@ -338,16 +345,26 @@ class KVEngine:
         deadline: float | None = None,
         trusted: bool = False,
         read_only: bool = False,
+        tenant: Tenant | None = None,
     ) -> SessionInfo:
         """A new session. ``expires=False`` (in-process users) needs no heartbeat; close it explicitly.
         ``trusted``: the server's own in-process parts (the GPU data path), which act on instances of
-        other sessions; a client's session only ever reaches its own instances, leases and saves."""
+        other sessions; a client's session only ever reaches its own instances, leases and saves.
+        ``tenant`` (clients/tenants.py): who it acts for; its instances get that tenant's namespaces."""
         with self._locked(deadline):
             session = self._registry.open_session(
                 client_name, pid, hostname, time.monotonic(), expires, trusted
             )
             session.read_only = read_only
-        log.info("session %s opened: %r pid %d on %r", session.id, client_name, pid, hostname)
+            session.tenant = tenant
+        log.info(
+            "session %s opened: %r pid %d on %r%s",
+            session.id,
+            client_name,
+            pid,
+            hostname,
+            f" for tenant {tenant.name}" if tenant is not None else "",
+        )
         return SessionInfo(
             session_id=session.id,
             heartbeat_interval_s=self.config.heartbeat_interval_s,
@@ -401,7 +418,8 @@ class KVEngine:
         layout.validate(self.allocator.max_block_bytes)
         with self._locked(deadline):
             session = self._live(session_id)
-            namespace, new = self._namespaces.intern(layout)
+            tenant = session.tenant.name if session.tenant is not None else DEFAULT_TENANT
+            namespace, new = self._namespaces.intern(layout, tenant)
             instance = self._registry.add_instance(session, namespace, name)
         if new and self._state_dirs:
             # Off the lock, before any block of it can be saved: recovery maps records to it.
@@ -469,6 +487,7 @@ class KVEngine:
                     taken = self._take_lease(session, instance_id, ns_index, entries, ttl, lease_id)
                 ready = entries[:num_ready]
                 offsets = [e.dram for e in ready]
+                checksums = tuple(e.checksum or 0 for e in ready)
                 if account:
                     self._count_query(purpose, len(hashes), scan.sources)
                 if purpose == QueryPurpose.LOOKUP:
@@ -496,6 +515,7 @@ class KVEngine:
             len(entries) - num_ready,
             tuple(scan.sources[: len(entries)]),
             searching,
+            checksums,
         )
 
     def account_query(
@@ -558,16 +578,29 @@ class KVEngine:
                     break
                 ready += 1
             offsets = [e.dram for e in held.entries[:ready]]
+            checksums = tuple(e.checksum or 0 for e in held.entries[:ready])
             pending = sum(1 for e in held.entries[ready:] if e.filling_from is not None)
-        return PrefixResult(ready, lease_id, offsets, instance.namespace.block_bytes, self.epoch, pending)
+        return PrefixResult(
+            ready, lease_id, offsets, instance.namespace.block_bytes, self.epoch, pending, checksums=checksums
+        )
 
     def release_lease(
-        self, session_id: str, lease_id: str, loaded_bytes: int = 0, deadline: float | None = None
+        self,
+        session_id: str,
+        lease_id: str,
+        loaded_bytes: int = 0,
+        deadline: float | None = None,
+        corrupt_hashes: Sequence[bytes] = (),
     ) -> None:
+        """Ends a lease. ``corrupt_hashes``: blocks of it whose bytes the client found not matching
+        their checksum: each is hashed again here (a client's word alone drops nothing) and one
+        that fails is dropped, so later queries miss it."""
         with self._locked(deadline):
             session = self._live(session_id)
             held = self._registry.lease(session, lease_id, time.monotonic())
             self._drop_lease(held)
+            if corrupt_hashes:
+                self._check_reported_corrupt(held, corrupt_hashes)
             age = time.monotonic() - held.created_at
             # A client reports what it read; never more than the lease holds (review finding F6).
             loaded_bytes = min(max(int(loaded_bytes), 0), sum(e.length for e in held.entries))
@@ -608,21 +641,19 @@ class KVEngine:
                 self.config.write_timeout_s,
                 save_id,
             )
-            room = (
-                len(hashes)
-                if session.trusted
-                else max(
-                    int(self.config.session_unsealed_fraction * self.region.size_bytes)
-                    - session.unsealed_bytes,
-                    0,
+            if session.trusted:
+                room = len(hashes)
+            else:
+                session_quota = int(self.config.session_unsealed_fraction * self.region.size_bytes)
+                room_bytes = min(
+                    session_quota - session.unsealed_bytes, self._tenant_room(session, "unsealed_bytes")
                 )
-                // block_bytes
-            )
+                room = int(min(max(room_bytes, 0) // block_bytes, len(hashes)))
             statuses, offsets, _ = self._store.reserve(ns_index, block_bytes, hashes, save, deadline, room)
             stale, save.stale_slots = save.stale_slots, []
             session.unsealed_bytes += len(offsets) * block_bytes
             if AllocStatus.REJECTED in statuses:
-                self.counters.quota_refusals += 1
+                self._count_quota_refusal(session)
             save_id = ""
             if save.pending:
                 self._registry.add_save(session, save)
@@ -636,9 +667,16 @@ class KVEngine:
         return AllocateResult(save_id, statuses, offsets, block_bytes, self.epoch)
 
     def seal_blocks(
-        self, session_id: str, save_id: str, hashes: Sequence[bytes] = (), deadline: float | None = None
+        self,
+        session_id: str,
+        save_id: str,
+        hashes: Sequence[bytes] = (),
+        deadline: float | None = None,
+        checksums: Sequence[int] = (),
     ) -> int:
-        """Makes written blocks visible: the listed ones, or every pending block of the save."""
+        """Makes written blocks visible: the listed ones, or every pending block of the save.
+        ``checksums`` (optional, one per sealed block in that order): XXH3-64 of each block's bytes
+        as its writer wrote them; readers get them back with the block's location."""
         with self._locked(deadline):
             session = self._live(session_id)
             save = self._registry.save(session, save_id, time.monotonic())
@@ -651,7 +689,14 @@ class KVEngine:
                         )
             else:
                 targets = list(save.pending)
+            if checksums and len(checksums) != len(targets):
+                raise InvalidArgument(
+                    f"{len(checksums)} checksums for {len(targets)} blocks to seal (one per block, or none)"
+                )
             sealing = {block_hash: save.pending.pop(block_hash) for block_hash in targets}
+            for digest, block_hash in zip(checksums, targets, strict=False):
+                if digest:
+                    sealing[block_hash].checksum = int(digest)
             sealed_bytes, planned = self._store.seal(save, sealing)
             save.sealed_bytes += sealed_bytes
             session.unsealed_bytes -= sealed_bytes
@@ -797,10 +842,12 @@ class KVEngine:
                         ns.block_bytes,
                         index.sealed_in(ns.index),
                         instances.get(ns.index, 0),
+                        ns.tenant,
                     )
                     for ns in self._namespaces
                 ],
             )
+            stats.tenants = self._tenant_stats(stats.namespaces)
             for name in type(store).__slots__:
                 setattr(stats, name, getattr(store, name))
             for name in type(self.counters).__slots__:
@@ -810,6 +857,31 @@ class KVEngine:
         if self.ssd is not None:
             stats.tiers[1].recovery_seconds = stats.tiers[1].recovery_seconds or self.recovery_seconds
         return stats
+
+    def _tenant_stats(self, namespaces: list[NamespaceStats]) -> list[TenantStats]:
+        """Per tenant with sessions, namespaces or refusals: its use over all its sessions. Empty
+        while only the unnamed tenant exists (no --tenant-file: nothing to split)."""
+        sessions: dict[str, list[Session]] = {}
+        for s in self._registry.sessions:
+            sessions.setdefault(s.tenant.name if s.tenant is not None else DEFAULT_TENANT, []).append(s)
+        by_ns: dict[str, list[NamespaceStats]] = {}
+        for ns in namespaces:
+            by_ns.setdefault(ns.tenant, []).append(ns)
+        names = set(sessions) | set(by_ns) | set(self._tenant_refusals)
+        if names <= {DEFAULT_TENANT}:
+            return []
+        return [
+            TenantStats(
+                name,
+                len(sessions.get(name, ())),
+                len(by_ns.get(name, ())),
+                sum(ns.resident_blocks for ns in by_ns.get(name, ())),
+                sum(s.leased_bytes for s in sessions.get(name, ())),
+                sum(s.unsealed_bytes for s in sessions.get(name, ())),
+                self._tenant_refusals.get(name, 0),
+            )
+            for name in sorted(names)
+        ]
 
     # -------------------------------------------------------------- internals
 
@@ -894,16 +966,40 @@ class KVEngine:
         if session.trusted:
             return entries
         room = int(self.config.session_leased_fraction * self.region.size_bytes) - session.leased_bytes
-        fits = max(room, 0) // block_bytes
+        tenant_room = self._tenant_room(session, "leased_bytes")
+        fits = max(min(room, tenant_room), 0) // block_bytes
         if fits >= len(entries):
             return entries
-        self.counters.quota_refusals += 1
+        self._count_quota_refusal(session)
         if fits == 0:
+            if tenant_room < room:
+                raise ResourceExhausted(
+                    f"tenant {session.tenant.name} already pins {session.tenant.leased_bytes - tenant_room} "
+                    f"bytes under leases over all its sessions (its limit is {session.tenant.leased_bytes}); "
+                    "release leases first"
+                )
             raise ResourceExhausted(
                 f"session {session.id} already pins {session.leased_bytes} bytes under leases (its quota is "
                 f"{self.config.session_leased_fraction:.0%} of the pool); release leases first"
             )
         return entries[:fits]
+
+    def _tenant_room(self, session: Session, held: str) -> int | float:
+        """Bytes the session's tenant may still add to ``held`` ("leased_bytes" | "unsealed_bytes")
+        over all its sessions together; inf without a tenant limit. A sum over its sessions (a few
+        per engine process): no second copy of the counts to drift."""
+        tenant = session.tenant
+        limit = getattr(tenant, held) if tenant is not None else None
+        if limit is None:
+            return float("inf")
+        used = sum(getattr(s, held) for s in self._registry.sessions if s.tenant is tenant)
+        return max(limit - used, 0)
+
+    def _count_quota_refusal(self, session: Session) -> None:
+        self.counters.quota_refusals += 1
+        if session.tenant is not None:
+            name = session.tenant.name
+            self._tenant_refusals[name] = self._tenant_refusals.get(name, 0) + 1
 
     def _take_lease(
         self,
@@ -918,6 +1014,25 @@ class KVEngine:
         self._store.pin(held.entries)
         self._registry.add_lease(session, held)
         return held.id
+
+    def _check_reported_corrupt(self, held: Lease, hashes: Sequence[bytes]) -> None:
+        """Under the lock: hashing a block is CPU only (XXH3 at ~18 GB/s, ~60 us per MiB), and only
+        blocks of this lease, each once, at most MAX_CORRUPT_CHECKS of them (a reader stops at the
+        first mismatch: more reports are not needed, and a flood of them must not hold the lock)."""
+        reported = set(list(dict.fromkeys(hashes))[:MAX_CORRUPT_CHECKS])
+        view = self.dram.pool_view()
+        for entry in held.entries:
+            if entry.key[1] not in reported or entry.checksum is None or not entry.dram_ready:
+                continue
+            reported.discard(entry.key[1])
+            if checksum(view[entry.dram : entry.dram + entry.length]) == entry.checksum:
+                continue
+            log.warning(
+                "block %s of namespace %d does not match its checksum (reported by a reader): %s",
+                entry.key[1].hex()[:16],
+                entry.key[0],
+                "dropped" if self._store.drop_corrupt(entry) else "dropped once its other readers release it",
+            )
 
     def _drop_lease(self, held: Lease) -> None:
         self._registry.remove_lease(held)
@@ -986,7 +1101,9 @@ class KVEngine:
             saved.update(persistence.load_namespaces(directory))
         for ns_id, layout in saved.items():
             try:
-                self._namespaces.restore(ns_id, KvLayout(**layout))
+                fields = dict(layout)
+                tenant = fields.pop("tenant", "")
+                self._namespaces.restore(ns_id, KvLayout(**fields), tenant)
             except (TypeError, ValueError) as exc:
                 log.warning("recovery: namespace %s not restored: %s", ns_id, exc)
 

@@ -173,16 +173,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         metavar="MS",
-        help="after a query served wholly from DRAM, start no SSD I/O for this long, so that request's "
+        help="after a query served wholly from DRAM, start no SSD read for this long, so that request's "
         "prefill does not compete with the disk (at most half the time under steady DRAM hits; promotions "
-        "are slowed, never stopped); 0 turns it off (default 30)",
+        "are slowed, never stopped; writes are not held back); 0 turns it off (default 30)",
     )
     ssd.add_argument(
         "--ssd-yield-depth",
         type=int,
         default=2,
         metavar="N",
-        help="SSD I/Os in flight for a second after a query served from DRAM, so a yield takes effect "
+        help="SSD reads in flight for a second after a query served from DRAM, so a yield takes effect "
         "at once (default 2)",
     )
     ssd.add_argument(
@@ -278,6 +278,16 @@ def build_parser() -> argparse.ArgumentParser:
         "token as a second line, move the clients, drop the old one). Clients: PEGAFLOW_AUTH_TOKEN_FILE",
     )
     access.add_argument(
+        "--tenant-file",
+        default=None,
+        metavar="PATH",
+        help="tenants, one per line: NAME TOKEN [leased=SIZE] [unsealed=SIZE]. A session opened with a "
+        "tenant's token acts for that tenant: its namespaces are its own (no hits, dedup or probing across "
+        "tenants) and the limits cap what all its sessions pin and hold unsealed together. Its tokens are "
+        "accepted on gRPC beside --auth-token-file's (an --auth-token-file token opens sessions of no "
+        "tenant). Read at start; must not be readable by others",
+    )
+    access.add_argument(
         "--tls-cert",
         default=None,
         metavar="PATH",
@@ -371,6 +381,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         peer_transfer_ttl_s=args.peer_transfer_ttl,
         peer_max_fetch_bytes=args.peer_max_fetch_bytes,
         auth_token_file=args.auth_token_file,
+        tenant_file=args.tenant_file,
         tls_cert_file=args.tls_cert,
         tls_key_file=args.tls_key,
         tls_client_ca_file=args.tls_client_ca,

@@ -20,6 +20,9 @@ What each setting protects:
     node advertises, the metaserver's address); ``--metaserver-auth-token-file``: the token the
     metaserver asks for. There is no default from this node's own token: the metaserver is
     another service, possibly run by others, and need not learn this cluster's node token.
+  * ``--tenant-file``: tenants with tokens of their own (server/clients/tenants.py); their
+    tokens are accepted on ``--addr`` beside ``--auth-token-file``'s, and a session opened with
+    one acts for that tenant.
   * ``--metrics-hide-models`` / ``--metrics-model-key-file``: server/metrics/model_names.py.
 
 Why this set: one credential per thing a node talks to (its own callers, its peers, the
@@ -36,6 +39,7 @@ from typing import TYPE_CHECKING
 
 from pegaflow.common.auth import AuthConfigError, ClientAuth, ServerAuth, ServerSecurity, exposure_warning
 from pegaflow.common.auth import is_loopback as _is_loopback
+from pegaflow.server.clients.tenants import TenantTable
 from pegaflow.server.metrics.model_names import ModelNames
 
 if TYPE_CHECKING:
@@ -97,13 +101,15 @@ class RemoteAccess:
     peers: ClientAuth  # for this node's peer links
     metaserver: ClientAuth  # for its metaserver publisher
     model_names: ModelNames
+    tenants: TenantTable | None = None  # --tenant-file: who a session opened over gRPC acts for
 
     @classmethod
     def load(cls, config: ServerConfig, service_name: str = "pegaflow-server") -> RemoteAccess:
         """Reads every file the settings name (tokens, certificates, keys, the model key); raises
         AuthConfigError / ValueError naming the flag when one cannot be used. The outgoing
         credentials' files are read here too, so a typo refuses the start rather than every pull."""
-        server = _server_auth(config).open(service_name)
+        tenants = TenantTable.load(config.tenant_file) if config.tenant_file is not None else None
+        server = _server_auth(config).open(service_name, extra_tokens=tenants)
         peers, metaserver = peer_client_auth(config), metaserver_client_auth(config)
         if config.metaserver_addr is not None:
             for auth in (peers, metaserver):
@@ -113,7 +119,7 @@ class RemoteAccess:
             names = ModelNames.from_key_file(config.metrics_model_key_file)
         else:
             names = ModelNames(hide=config.metrics_hide_models)
-        return cls(server, peers, metaserver, names)
+        return cls(server, peers, metaserver, names, tenants)
 
     def warn_exposure(self, config: ServerConfig, grpc_address: str, http_address: str | None) -> list[str]:
         """Logs (and returns) one warning per listening surface that other hosts can reach with
@@ -151,6 +157,8 @@ class RemoteAccess:
 
     def describe(self) -> str:
         parts = [f"grpc auth: {self.server.describe()}"]
+        if self.tenants is not None:
+            parts.append(f"{len(self.tenants)} tenant(s)")
         if self.model_names.hidden:
             parts.append("model names hidden")
         return ", ".join(parts)

@@ -251,7 +251,9 @@ def start_server(config: ServerConfig) -> RunningServer:
         server.grpc_server = new_grpc_server(
             config.rpc_workers, "pegaflow-rpc", MAX_MESSAGE_BYTES, interceptors=access.server.interceptors
         )
-        servicer = EngineServicer(engine, server.fd_socket_path, server.metrics, gpu=server.gpu)
+        servicer = EngineServicer(
+            engine, server.fd_socket_path, server.metrics, gpu=server.gpu, tenants=access.tenants
+        )
         _start_local_rpc(server, servicer)  # before gRPC serves OpenSession, whose answer names it
         _start_doorbell(server)  # before gRPC serves RegisterDeviceMemory, whose answer names it
         add_engine_servicer(servicer, server.grpc_server)

@@ -49,3 +49,4 @@ class Location(NamedTuple):
     offset: int
     length: int
     tier: Tier = Tier.DRAM
+    checksum: int = 0  # XXH3-64 of the block's bytes as written (common/wire/checksum.py); 0 unknown

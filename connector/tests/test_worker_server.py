@@ -373,3 +373,42 @@ def test_the_worker_lease_counts_no_request_and_its_save_restates_the_loaded_hea
         assert lookup(head + tail) == 6
     finally:
         a.shutdown(), link.close(), stats.close()
+
+
+def test_with_block_checksums_a_block_scribbled_in_the_pool_is_recomputed_and_dropped(server):
+    """Issue 12 F2: another client overwrote a sealed block through its whole-pool mapping. A
+    worker that does not check loads the wrong bytes; one with block_checksums stops the prefix
+    there (the block and the rest are load errors: vLLM recomputes them), and the server, told
+    with the release, checks the block itself and drops it."""
+    from pegaflow.client import PegaClient
+
+    src_caches = kv_caches(seed=3)
+    writer = worker(config(server.addr, block_checksums=True), layout(), src_caches, "w")
+    trusting = worker(config(server.addr), layout(), kv_caches(seed=None), "t")
+    checking_caches = kv_caches(seed=None)
+    checking = worker(config(server.addr, block_checksums=True), layout(), checking_caches, "c")
+    link, lookup = lookup_for(config(server.addr), layout())
+    scribbler = PegaClient(server.addr, timeout_s=10)
+    try:
+        attached(writer, trusting, checking, link)
+        hs = hashes("prompt-sum", 6)
+        save_and_wait(writer, "r1", [0, 1, 2, 3, 4, 5], hs)
+        client, (inst,) = writer.link.usable()
+        hit = client.query_prefix(inst, hs)
+        assert hit.num_hits == 6 and all(loc.checksum for loc in hit.locations)  # the writer's hashes
+        scribbler.connect()
+        victim = hit.locations[3]
+        scribbler.pool_view(hit.epoch)[victim.offset : victim.offset + 64] ^= 0xFF
+
+        _, failed = step(trusting, load_meta("r2", [10, 11, 12, 13, 14, 15], hs))
+        assert failed == set()  # without checks the wrong bytes went into vLLM's KV
+        _, failed = step(checking, load_meta("r3", [20, 21, 22, 23, 24, 25], hs))
+        assert failed == {23, 24, 25}
+        for s, d in zip([0, 1, 2], [20, 21, 22], strict=True):
+            assert block_bytes(checking_caches, d) == block_bytes(src_caches, s)
+        assert checking.stats["load_blocks_corrupt"] == 1
+        wait_for(lambda: lookup(hs) == 3)  # the server hashed it again and dropped it
+        assert scribbler.stats().corrupt_blocks == 1
+    finally:
+        scribbler.close()
+        writer.shutdown(), trusting.shutdown(), checking.shutdown(), link.close()

@@ -27,6 +27,7 @@ class Session:
         "leased_bytes",
         "unsealed_bytes",
         "read_only",
+        "tenant",
     )
 
     def __init__(
@@ -48,6 +49,7 @@ class Session:
         self.leased_bytes = 0  # bytes of blocks its leases pin
         self.unsealed_bytes = 0  # bytes granted to its saves and not sealed yet
         self.read_only = False  # a reader: a read-only pool fd, no saves
+        self.tenant = None  # clients/tenants.py Tenant it acts for; None: the unnamed tenant ""
 
 
 class SessionTable:
@@ -77,6 +79,10 @@ class SessionTable:
     def expired(self, now: float) -> list[Session]:
         deadline = now - self.ttl_s
         return [s for s in self._sessions.values() if s.expires and s.last_seen < deadline]
+
+    def __iter__(self):
+        """The live sessions (a snapshot: the caller may end some while iterating)."""
+        return iter(list(self._sessions.values()))
 
     def __len__(self) -> int:
         return len(self._sessions)

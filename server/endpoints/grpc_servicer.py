@@ -22,6 +22,7 @@ import grpc
 from pegaflow.common.rpc_handler import rpc_handler
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
+from pegaflow.server.clients.tenants import TenantTable
 from pegaflow.server.config import ServerConfig
 from pegaflow.server.endpoints import validation as check
 from pegaflow.server.engine import KVEngine
@@ -124,6 +125,8 @@ def stats_response(stats: EngineStats, model_names: ModelNames = SHOWN) -> pb.Ge
         fields = dataclasses.asdict(ns)
         fields["model_id"] = model_names(ns.model_id)
         resp.namespaces.append(pb.NamespaceStats(**fields))
+    for tenant in stats.tenants:
+        resp.tenants.append(pb.TenantStats(**dataclasses.asdict(tenant)))
     for tier in stats.tiers:
         fields = dataclasses.asdict(tier)
         resp.tiers.append(
@@ -144,14 +147,25 @@ def _uint(value):
     return min(max(int(value), 0), _UINT64_MAX)
 
 
-def _locations(offsets: list[int], block_bytes: int) -> pb.BlockLocations:
-    # Every block is in DRAM today: the tiers column stays empty (= all TIER_DRAM).
-    return pb.BlockLocations(offsets=offsets, block_bytes=block_bytes)
+def _locations(offsets: list[int], block_bytes: int, checksums=()) -> pb.BlockLocations:
+    # Every block is in DRAM today: the tiers column stays empty (= all TIER_DRAM). The checksums
+    # column only when one is known (a writer that sends none pays no bytes for them).
+    return pb.BlockLocations(
+        offsets=offsets, block_bytes=block_bytes, checksums=checksums if any(checksums) else ()
+    )
 
 
 class EngineServicer(pb_grpc.EngineServicer):
-    def __init__(self, engine: KVEngine, fd_socket_path: str, metrics: ServerMetrics | None = None, gpu=None):
+    def __init__(
+        self,
+        engine: KVEngine,
+        fd_socket_path: str,
+        metrics: ServerMetrics | None = None,
+        gpu=None,
+        tenants: TenantTable | None = None,
+    ):
         self._engine = engine
+        self._tenants = tenants  # --tenant-file: OpenSession's token names the session's tenant
         self._gpu = gpu  # server.gpu.service.GpuDataPath, or None without a GPU data path
         self._config: ServerConfig = engine.config
         self._fd_socket_path = fd_socket_path
@@ -177,8 +191,11 @@ class EngineServicer(pb_grpc.EngineServicer):
     def OpenSession(self, request: pb.OpenSessionRequest, context, deadline: float) -> pb.OpenSessionResponse:
         client_name = check.name(request.client_name, "client_name")
         hostname = check.name(request.hostname, "hostname")
+        # The local RPC socket never carries OpenSession (common/wire/local_rpc.py): the metadata
+        # here is gRPC's, and the interceptor already refused a call without an accepted token.
+        tenant = self._tenants.identify(context.invocation_metadata()) if self._tenants is not None else None
         info = self._engine.open_session(
-            client_name, request.pid, hostname, deadline=deadline, read_only=request.read_only
+            client_name, request.pid, hostname, deadline=deadline, read_only=request.read_only, tenant=tenant
         )
         cfg = self._config
         return pb.OpenSessionResponse(
@@ -263,7 +280,7 @@ class EngineServicer(pb_grpc.EngineServicer):
         return pb.QueryPrefixResponse(
             num_hits=result.num_hits,
             lease_id=result.lease_id,
-            locations=_locations(result.offsets, result.block_bytes),
+            locations=_locations(result.offsets, result.block_bytes, result.checksums),
             epoch=result.epoch,
             pending=result.pending,
             sources=result.sources,
@@ -279,7 +296,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             deadline=deadline,
         )
         return pb.LoadBlocksResponse(
-            locations=_locations(result.offsets, result.block_bytes),
+            locations=_locations(result.offsets, result.block_bytes, result.checksums),
             epoch=result.epoch,
             pending=result.pending,
         )
@@ -293,6 +310,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             check.ident(request.lease_id, "lease_id"),
             loaded_bytes=request.loaded_bytes,
             deadline=deadline,
+            corrupt_hashes=check.block_hashes(request.corrupt_block_hashes, self._config, allow_empty=True),
         )
         return pb.ReleaseLeaseResponse()
 
@@ -323,11 +341,14 @@ class EngineServicer(pb_grpc.EngineServicer):
     @_handler
     def SealBlocks(self, request: pb.SealBlocksRequest, context, deadline: float) -> pb.SealBlocksResponse:
         hashes = check.block_hashes(request.block_hashes, self._config, allow_empty=True)
+        if len(request.checksums) > self._config.max_batch_blocks:
+            raise InvalidArgument(f"more than {self._config.max_batch_blocks} checksums")
         sealed = self._engine.seal_blocks(
             check.ident(request.session_id, "session_id"),
             check.ident(request.save_id, "save_id"),
             hashes,
             deadline=deadline,
+            checksums=list(request.checksums),
         )
         return pb.SealBlocksResponse(sealed=sealed)
 

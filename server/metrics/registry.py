@@ -26,7 +26,7 @@ from pegaflow.server.metrics.hll_ceiling import HitRateCeiling
 from pegaflow.server.metrics.lookup_insights import LookupInsights
 from pegaflow.server.metrics.model_names import SHOWN, ModelNames
 from pegaflow.server.metrics.windowed_rate import WindowedHitRate
-from pegaflow.server.store.stats import TIER_METRICS, metric_fields
+from pegaflow.server.store.stats import TENANT_METRICS, TIER_METRICS, metric_fields
 
 log = logging.getLogger(__name__)
 
@@ -251,14 +251,17 @@ class _EngineCollector:
                 family = families[f.name] = cls(f.name, f.doc, labels=[k for k, _ in f.labels])
             family.add_metric([v for _, v in f.labels], getattr(stats, f.field))
         yield from families.values()
-        yield from self._tier_families(stats.tiers)
+        yield from self._labelled_families(TIER_METRICS, stats.tiers, "tier")
         ns_blocks = GaugeMetricFamily(
-            "pegaflow_namespace_resident_blocks", "Sealed blocks per namespace", labels=["namespace", "model"]
+            "pegaflow_namespace_resident_blocks",
+            "Sealed blocks per namespace",
+            labels=["namespace", "model", "tenant"],
         )
         names = self._metrics.model_names
         for ns in stats.namespaces:
-            ns_blocks.add_metric([ns.namespace_id, names(ns.model_id)], ns.resident_blocks)
+            ns_blocks.add_metric([ns.namespace_id, names(ns.model_id), ns.tenant], ns.resident_blocks)
         yield ns_blocks
+        yield from self._labelled_families(TENANT_METRICS, stats.tenants, "tenant")
         g = GaugeMetricFamily(
             "pegaflow_pool_prefault_seconds", "Time taken to allocate and pre-fault the pool at start"
         )
@@ -267,12 +270,14 @@ class _EngineCollector:
         yield from self._window_families()
 
     @staticmethod
-    def _tier_families(tiers):
-        for field, (kind, name, doc) in TIER_METRICS.items():
+    def _labelled_families(table: dict[str, tuple[str, str, str]], rows, label: str):
+        """One family per field of ``table`` (TIER_METRICS, TENANT_METRICS), a series per row
+        labelled by its name; no series at all without rows (no tenants: no tenant series)."""
+        for field, (kind, name, doc) in table.items():
             cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-            family = cls(name, doc, labels=["tier"])
-            for tier in tiers:
-                family.add_metric([tier.name], float(getattr(tier, field)))
+            family = cls(name, doc, labels=[label])
+            for row in rows:
+                family.add_metric([row.name], float(getattr(row, field)))
             yield family
 
     def _window_families(self):

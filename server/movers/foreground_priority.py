@@ -1,4 +1,4 @@
-"""Tier I/O yields to requests that are served from DRAM now (issue 11: "while a 1 GiB prefix is
+"""Tier reads yield to requests that are served from DRAM now (issue 11: "while a 1 GiB prefix is
 being promoted, requests that hit DRAM see TTFT within 10 % of a run without promotions").
 
 Why: on the dev VM a DRAM-hit request's TTFT rose 12-31 % while the SSD tier promoted 1 GiB
@@ -10,14 +10,20 @@ lever the cache has, so the order is: a request that can be served now first, on
 the disk next (shortest job first, as a disk scheduler's idle class does for background I/O).
 
 The engine calls ``ready_hit()`` when a prefix query found all its blocks in DRAM. For
-``hold_s`` after that, no new tier I/O starts (what is in flight finishes: at a low depth one
-2 MiB op is ~1 ms); for ``calm_s`` after the last such query at most ``busy_depth`` ops run, so
+``hold_s`` after that, no new tier read starts (what is in flight finishes: at a low depth one
+2 MiB op is ~1 ms); for ``calm_s`` after the last such query at most ``busy_depth`` reads run, so
 the disk's queue drains within the next hold; after that the tier runs at its own depth again.
+
+Only reads (promotions) are paced. Writes (demotions) are not: under the default placement a
+block is written at its DRAM hit, so pacing writes by DRAM hits would hold back every write
+behind the very hits that cause it, their DRAM slots stay pinned, the in-flight bound fills and
+later demotions are dropped (measured with bench/ssd_server_bench.py: the write phase is such a
+stream of DRAM hits).
 
 Starvation: holds are paid from a bucket that fills at ``max_hold_share`` seconds per second
 (capacity two holds: a lookup and its load, a few ms apart, extend one hold; a new hold starts
-only when a whole one is in the bucket), so under a steady stream of DRAM hits the tier's I/O still runs at
-least ``1 - max_hold_share`` of the time: a waiting promotion is slowed, never stopped.
+only when a whole one is in the bucket), so under a steady stream of DRAM hits the tier's reads
+still run at least ``1 - max_hold_share`` of the time: a waiting promotion is slowed, never stopped.
 
 The tier's engines see only ``allowed()`` (engines/base.py IoPacer): a depth and when to ask
 again; no keys, no requests, no policy of their own.
@@ -53,7 +59,7 @@ class ForegroundPriority:
         self._clock = clock
         self._lock = threading.Lock()
         now = clock()
-        self._hold_until = now  # no new I/O before this
+        self._hold_until = now  # no new read before this
         self._calm_until = now  # at most busy_depth before this
         self._bucket_cap = 2 * hold_s
         self._bucket = self._bucket_cap  # seconds of hold that may still be granted
@@ -62,8 +68,8 @@ class ForegroundPriority:
         self.held_s = 0.0  # granted hold time (a counter; holds that overlap count once)
 
     def ready_hit(self) -> None:
-        """A query was served wholly from DRAM: hold tier I/O back for ``hold_s`` (what the
-        bucket allows) and keep its depth low for ``calm_s``."""
+        """A query was served wholly from DRAM: hold tier reads back for ``hold_s`` (what the
+        bucket allows) and keep their depth low for ``calm_s``."""
         with self._lock:
             now = self._clock()
             self.ready_hits += 1
@@ -81,7 +87,7 @@ class ForegroundPriority:
                 self.held_s += grant
 
     def allowed(self) -> tuple[int, float]:
-        """(ops that may be in flight now, seconds after which that may have grown; inf when it is
+        """(reads that may be in flight now, seconds after which that may have grown; inf when it is
         not limited: the engine's own depth applies). Lock-free read: a stale answer is off by one
         ready hit."""
         now = self._clock()

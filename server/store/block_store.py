@@ -349,6 +349,12 @@ class BlockStore:
     def _hashed(self, entry: BlockEntry, digest) -> None:
         entry.io -= 1
         if isinstance(digest, int) and self.index.get(entry.key) is entry and entry.dram_ready:
+            if entry.checksum is not None and entry.checksum != digest:
+                # Its writer hashed other bytes than the pool holds now: changed after the write.
+                log.warning("block %s changed after its writer hashed it: dropped", entry.key[1].hex()[:16])
+                self._rehold(entry)
+                self.drop_corrupt(entry)
+                return
             entry.checksum = digest
             if self.journal is not None:
                 ns = self.namespaces.at(entry.key[0])
@@ -356,6 +362,19 @@ class BlockStore:
                     JournaledBlock(entry.dram, entry.length, digest, block_tag(ns.id, entry.key[1]))
                 )
         self._rehold(entry)
+
+    def drop_corrupt(self, entry: BlockEntry) -> bool:
+        """A DRAM copy that failed its checksum: counted, and dropped with its SSD copy (written
+        from the same bytes) so no query finds it again. False while leases or transfers still
+        hold it: it stays until a later report, when nobody holds it."""
+        self.counters.corrupt_blocks += 1
+        if not self._evictable(entry):
+            return False
+        self._evict_dram(entry)
+        if entry.ssd is not None and entry.io == 0:
+            self._drop_ssd_copy(entry)
+            self._forget_if_gone(entry)
+        return True
 
     def _demoted(self, entry: BlockEntry, status: IoStatus) -> None:
         entry.io -= 1

@@ -50,6 +50,7 @@ class Namespace:
     id: str
     index: int  # small dense number, used in block keys (cheaper to hash than the id string)
     layout: KvLayout
+    tenant: str = ""  # clients/tenants.py: whose blocks these are ("": no tenant)
 
     @property
     def block_bytes(self) -> int:
@@ -60,10 +61,14 @@ class Namespace:
         return self.layout.model_id
 
 
-def namespace_id(layout: KvLayout) -> str:
+def namespace_id(layout: KvLayout, tenant: str = "") -> str:
+    """The layout's digest; a tenant's name is part of it, so tenants never share a namespace (the
+    unnamed tenant "" keeps the ids namespaces had before tenants existed)."""
     fields = dataclasses.asdict(layout)
     if layout.mla:
         del fields["tp_rank"]
+    if tenant:
+        fields["tenant"] = tenant
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
     return f"ns-{digest[:20]}"
 
@@ -87,9 +92,10 @@ class NamespaceTable:
         self._by_index: dict[int, Namespace] = {}
         self._next_index = 0
 
-    def intern(self, layout: KvLayout) -> tuple[Namespace, bool]:
-        """(the namespace of ``layout``, whether it is new). ResourceExhausted past max_namespaces."""
-        ns_id = namespace_id(layout)
+    def intern(self, layout: KvLayout, tenant: str = "") -> tuple[Namespace, bool]:
+        """(the namespace of ``layout`` for ``tenant``, whether it is new). ResourceExhausted past
+        max_namespaces."""
+        ns_id = namespace_id(layout, tenant)
         ns = self._by_id.get(ns_id)
         if ns is not None:
             return ns, False
@@ -98,17 +104,17 @@ class NamespaceTable:
                 f"the server holds {len(self._by_id)} namespaces (the limit); unused ones are released "
                 "after they have been idle a while"
             )
-        ns = Namespace(ns_id, self._next_index, layout)
+        ns = Namespace(ns_id, self._next_index, layout, tenant)
         self._next_index += 1
         self._by_id[ns_id] = ns
         self._by_index[ns.index] = ns
         return ns, True
 
-    def restore(self, ns_id: str, layout: KvLayout) -> Namespace:
+    def restore(self, ns_id: str, layout: KvLayout, tenant: str = "") -> Namespace:
         """A namespace known from persisted state; refused if the layout does not digest to ``ns_id``."""
-        if namespace_id(layout) != ns_id:
+        if namespace_id(layout, tenant) != ns_id:
             raise ValueError(f"persisted layout does not match namespace id {ns_id}")
-        return self.intern(layout)[0]
+        return self.intern(layout, tenant)[0]
 
     def release(self, ns: Namespace) -> None:
         """Forgets an unused namespace (no instance, no block: the caller checked)."""
@@ -125,8 +131,15 @@ class NamespaceTable:
         return self._by_index.get(index)
 
     def layouts(self) -> dict[str, dict]:
-        """Every namespace's layout as plain fields, by id (what is persisted beside a tier's records)."""
-        return {ns.id: dataclasses.asdict(ns.layout) for ns in self._by_index.values()}
+        """Every namespace's layout as plain fields, by id (what is persisted beside a tier's records),
+        with its tenant under "tenant" when it has one."""
+        out = {}
+        for ns in self._by_index.values():
+            fields = dataclasses.asdict(ns.layout)
+            if ns.tenant:
+                fields["tenant"] = ns.tenant
+            out[ns.id] = fields
+        return out
 
     def __iter__(self):
         return iter(list(self._by_index.values()))

@@ -109,6 +109,20 @@ class NamespaceStats:
     block_bytes: int
     resident_blocks: int
     instances: int
+    tenant: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class TenantStats:
+    """One tenant's use, over all its sessions (server/clients/tenants.py); "" is the unnamed one."""
+
+    name: str
+    sessions: int
+    namespaces: int
+    resident_blocks: int
+    leased_bytes: int
+    unsealed_bytes: int
+    quota_refusals: int
 
 
 @dataclasses.dataclass
@@ -233,6 +247,7 @@ class EngineStats:
     # ------------------------------------------------------------------- lists
     namespaces: list[NamespaceStats] = dataclasses.field(default_factory=list)
     tiers: list[TierStats] = dataclasses.field(default_factory=list)
+    tenants: list[TenantStats] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,7 +269,8 @@ def metric_fields() -> Iterator[MetricField]:
 
 def scalar_fields() -> list[str]:
     """The EngineStats fields GetStats carries as plain proto fields of the same name."""
-    return [f.name for f in dataclasses.fields(EngineStats) if f.name not in ("namespaces", "tiers")]
+    lists = ("namespaces", "tiers", "tenants")
+    return [f.name for f in dataclasses.fields(EngineStats) if f.name not in lists]
 
 
 # Per-tier metrics: TierStats field -> (kind, metric name, help). Labelled by tier name.
@@ -290,5 +306,24 @@ TIER_METRICS: dict[str, tuple[str, str, str]] = {
         "counter",
         "pegaflow_tier_paced_seconds",
         "Seconds new tier I/O was held back for requests served from DRAM (--ssd-yield-ms)",
+    ),
+}
+
+
+# Per-tenant metrics: TenantStats field -> (kind, metric name, help). Labelled by tenant name.
+TENANT_METRICS: dict[str, tuple[str, str, str]] = {
+    "sessions": ("gauge", "pegaflow_tenant_sessions", "Live sessions of the tenant"),
+    "namespaces": ("gauge", "pegaflow_tenant_namespaces", "Namespaces of the tenant"),
+    "resident_blocks": ("gauge", "pegaflow_tenant_resident_blocks", "Sealed blocks of the tenant, any tier"),
+    "leased_bytes": ("gauge", "pegaflow_tenant_leased_bytes", "Bytes the tenant's leases pin"),
+    "unsealed_bytes": (
+        "gauge",
+        "pegaflow_tenant_unsealed_bytes",
+        "Bytes granted to the tenant's saves, not sealed yet",
+    ),
+    "quota_refusals": (
+        "counter",
+        "pegaflow_tenant_quota_refusals",
+        "Leases cut short and saves refused blocks by a quota, per tenant",
     ),
 }

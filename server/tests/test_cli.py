@@ -82,6 +82,7 @@ def test_help_documents_every_flag_including_the_tiers():
         "--promote-inflight",
         "--ssd-yield-ms",
         "--ssd-yield-depth",
+        "--tenant-file",
     ):
         assert flag in help_text
 

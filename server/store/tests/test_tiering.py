@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from pegaflow.common.wire.types import Tier
+from pegaflow.server.clients.tenants import Tenant
 from pegaflow.server.config import MIB, ServerConfig
 from pegaflow.server.engine import AllocStatus, KVEngine, QueryPurpose
 from pegaflow.server.store.namespace import KvLayout
@@ -243,10 +244,12 @@ def test_a_full_lower_tier_reclaims_its_oldest_copies_first():
         eng.close()
 
 
-def test_a_restart_recovers_what_the_lower_tier_holds(ssd, tmp_path):
+@pytest.mark.parametrize("tenant", [None, Tenant("team-a", "a" * 32)], ids=["no-tenant", "tenant"])
+def test_a_restart_recovers_what_the_lower_tier_holds(ssd, tmp_path, tenant):
+    """A tenant's namespace is persisted with its tenant, so its records map back to it."""
     cfg = dict(ssd_write_policy="on-seal", ssd_cache_paths=(str(tmp_path),), ssd_cache_capacity_bytes=1 << 30)
     eng = make(ssd, **cfg)
-    sid = eng.open_session("t").session_id
+    sid = eng.open_session("t", tenant=tenant).session_id
     iid = eng.register_instance(sid, layout()).instance_id
     save(eng, sid, iid, hashes(5, "r"))
     settle(eng, ssd)
@@ -258,7 +261,7 @@ def test_a_restart_recovers_what_the_lower_tier_holds(ssd, tmp_path):
     eng = make(restarted, **cfg)
     try:
         assert eng.stats().recovered_blocks == 5
-        sid = eng.open_session("t").session_id
+        sid = eng.open_session("t", tenant=tenant).session_id
         iid = eng.register_instance(sid, layout()).instance_id  # same layout: same namespace
         hit = eng.query_prefix(sid, iid, hashes(5, "r"), lease=True)
         assert hit.pending == 5

@@ -26,11 +26,12 @@ Primitives, by role:
     The engine runs at most ``queue_depth`` ops at a time; the rest wait in order. Bounding the
     total queue is the tier's job (it raises TierFull before submitting).
 ``IoPacer.allowed()``  (optional, the server's; engines/__init__.py passes it in)
-    Asked before an op starts: ``(depth, recheck_s)``, how many ops may be in flight now (0:
-    none may start) and after how many seconds that may have grown. The engine never starts an
-    op past it and sleeps at most ``recheck_s`` (capped) before asking again. Without a pacer
-    the limit is ``queue_depth``. Why the server slows its own tier: server/movers/
-    foreground_priority.py.
+    Asked before a read starts: ``(depth, recheck_s)``, how many reads may be in flight now (0:
+    none may start) and after how many seconds that may have grown. The engine never starts a
+    read past it and sleeps at most ``recheck_s`` (capped) before asking again; writes are not
+    paced (a write waits for nobody, but one held back holds its DRAM slot and the tier's queue,
+    and the demotions behind it get dropped). Without a pacer the limit is ``queue_depth``. Why
+    the server slows its own tier's reads: server/movers/foreground_priority.py.
 ``IoEngine.close()``
     Cancels what has not started, waits for what the kernel still owns (so no buffer is written
     after close returns), stops the threads. Idempotent.

@@ -2,8 +2,8 @@
 ``os.preadv`` at a time (CPython releases the GIL for the syscall, so the bytes move without it
 and straight between the caller's buffer and the disk under O_DIRECT).
 
-With a pacer (engines/base.py IoPacer) a thread that took an op waits until the pacer allows one
-more in flight.
+With a pacer (engines/base.py IoPacer) a thread that took a read waits until the pacer allows
+one more read in flight; writes start at once.
 
 Works wherever Python does; it is the fallback when io_uring is unavailable, and the measured
 numbers of both engines are in engines/__init__.py.
@@ -42,8 +42,9 @@ class ThreadEngine(IoEngine):
         self._pacer = pacer
         self._queue: queue.SimpleQueue[IoOp | None] = queue.SimpleQueue()
         self._closing = False
-        self._slots = threading.Condition(threading.Lock())  # guards _running
+        self._slots = threading.Condition(threading.Lock())  # guards _running, _reads
         self._running = 0
+        self._reads = 0  # reads in flight: what the pacer limits
         self._threads = [
             threading.Thread(target=self._work, name=f"{thread_name}-{i}", daemon=True)
             for i in range(queue_depth)
@@ -69,7 +70,8 @@ class ThreadEngine(IoEngine):
             op = self._queue.get()
             if op is _STOP:
                 return
-            self._start_slot()
+            read = not op.write
+            self._start_slot(read)
             try:
                 if self._closing:
                     _cancel(op)
@@ -79,18 +81,20 @@ class ThreadEngine(IoEngine):
                 del op  # the caller's buffers are not held past completion
                 with self._slots:
                     self._running -= 1
+                    self._reads -= read
                     self._slots.notify()
 
-    def _start_slot(self) -> None:
-        """Counts this thread's op in flight, once the pacer allows one more."""
+    def _start_slot(self, read: bool) -> None:
+        """Counts this thread's op in flight; a read once the pacer allows one more."""
         with self._slots:
             pacer = self._pacer
-            while pacer is not None and not self._closing:
+            while read and pacer is not None and not self._closing:
                 limit, recheck_s = pacer.allowed()
-                if self._running < limit:
+                if self._reads < limit:
                     break
                 self._slots.wait(min(recheck_s, PACER_MAX_SLEEP_S))
             self._running += 1
+            self._reads += read
 
     def close(self) -> None:
         if self._closing:

@@ -8,8 +8,9 @@ New work must wake a thread that waits in the kernel: a read of an eventfd is al
 the ring, and ``submit`` bumps the eventfd, which completes that read. The binding is
 engines/uring_binding.py (cffi over the system liburing).
 
-With a pacer (engines/base.py IoPacer) the thread queues no more SQEs than it allows; when it
-allows none and nothing is in flight, the thread sleeps until it may ask again.
+With a pacer (engines/base.py IoPacer) the thread queues no more reads than it allows (writes
+wait in their own queue and are never held back); when a read waits, nothing is in flight and no
+write is queued, the thread sleeps until it may ask again.
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ class UringEngine(IoEngine):
         self._ring = ring[0]
         self._wake_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._wake_buf = ffi.new("unsigned long long *")
-        self._inbox: collections.deque[IoOp] = collections.deque()
+        self._inbox: collections.deque[IoOp] = collections.deque()  # reads (all ops without a pacer)
+        self._writes: collections.deque[IoOp] = collections.deque()  # writes, with a pacer
+        self._reads = 0  # reads in flight: what the pacer limits
         self._closing = False
         self._running = 0
         # Per in-flight slot: a scratch block and an iovec array, reused (no allocation per op).
@@ -78,7 +81,11 @@ class UringEngine(IoEngine):
             for op in ops:
                 _cancel(op)
             return
-        self._inbox.extend(ops)
+        if self._pacer is None:
+            self._inbox.extend(ops)
+        else:
+            for op in ops:
+                (self._writes if op.write else self._inbox).append(op)
         self._wake()
 
     def _wake(self) -> None:
@@ -136,6 +143,7 @@ class UringEngine(IoEngine):
             return False
         self._slot_op[slot] = (op, keep)
         self._running += 1
+        self._reads += not op.write
         return True
 
     def _loop(self) -> None:
@@ -144,16 +152,21 @@ class UringEngine(IoEngine):
         self._arm_wake()
         while True:
             if self._closing:
-                while self._inbox:
-                    _cancel(self._inbox.popleft())
+                for queued in (self._inbox, self._writes):
+                    while queued:
+                        _cancel(queued.popleft())
                 if self._running == 0:
                     return
-            else:
-                pacer = self._pacer
-                limit, recheck_s = pacer.allowed() if pacer is not None else (self.queue_depth, 0.0)
-                while self._inbox and self._free_slots and self._running < limit:
+            elif self._pacer is None:
+                while self._inbox and self._free_slots:
                     self._start(self._inbox.popleft())
-                if self._inbox and self._running == 0 and limit == 0:
+            else:
+                while self._writes and self._free_slots:
+                    self._start(self._writes.popleft())
+                limit, recheck_s = self._pacer.allowed()
+                while self._inbox and self._free_slots and self._reads < limit:
+                    self._start(self._inbox.popleft())
+                if self._inbox and self._running == 0 and not self._writes and self._reads >= limit:
                     # Nothing will complete to wake the ring: wait for the pacer here instead.
                     time.sleep(min(recheck_s, PACER_MAX_SLEEP_S))
                     continue
@@ -177,6 +190,7 @@ class UringEngine(IoEngine):
                 self._free_slots.append(slot)
                 self._running -= 1
                 if entry is not None:
+                    self._reads -= not entry[0].write
                     _complete(entry[0], res)
 
 

@@ -1,0 +1,176 @@
+"""Tenants (server/clients/tenants.py): the tenant file is read strictly; a tenant's sessions get
+namespaces of their own (no hit, EXISTS or probe across tenants, every engine of one tenant still
+shares), and the tenant-wide limits hold over all its sessions together while other tenants keep
+working. In-process engine; the gRPC binding of a token to its tenant is in
+server/tests/test_tenants_e2e.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pegaflow.common.auth import AuthConfigError
+from pegaflow.common.wire.types import AllocStatus
+from pegaflow.server.clients.tenants import Tenant, TenantTable
+from pegaflow.server.config import MIB, ServerConfig
+from pegaflow.server.engine import KVEngine
+from pegaflow.server.errors import ResourceExhausted
+from pegaflow.server.store.namespace import KvLayout
+
+BLOCK = 64 * 1024
+TOKEN_A = "a" * 32
+TOKEN_B = "b" * 32
+
+
+def layout() -> KvLayout:
+    return KvLayout(
+        model_id="m", model_fingerprint="f", dtype="bf16", layout="t", block_tokens=16,
+        block_bytes=BLOCK, num_layers=2, tp_size=1, tp_rank=0, mla=False, extra="",
+    )  # fmt: skip
+
+
+def hashes(n: int, tag: str = "h") -> list[bytes]:
+    return [f"{tag}-{i}".encode() for i in range(n)]
+
+
+# ------------------------------------------------------------------ the file
+
+
+def test_the_tenant_file_is_parsed_with_limits():
+    table = TenantTable.from_text(
+        f"# comment\nteam-a {TOKEN_A} leased=1mb unsealed=512kb  # trailing\n\nteam_b.2 {TOKEN_B}\n", "t"
+    )
+    a, b = table.by_name["team-a"], table.by_name["team_b.2"]
+    assert (a.leased_bytes, a.unsealed_bytes) == (1 << 20, 512 << 10)
+    assert (b.leased_bytes, b.unsealed_bytes) == (None, None)
+    assert set(table.tokens()) == {TOKEN_A, TOKEN_B}
+    assert TOKEN_A not in repr(a)  # a secret is never printed
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("", "names no tenant"),
+        (f"bad/name {TOKEN_A}", "tenant name"),
+        ("team short", "16"),
+        (f"team {TOKEN_A} pool=1gb", "not a limit"),
+        (f"team {TOKEN_A} leased=1gb leased=2gb", "not a limit"),
+        (f"team {TOKEN_A} leased=lots", "leased"),
+        (f"team {TOKEN_A}\nteam {TOKEN_B}", "named twice"),
+        (f"one {TOKEN_A}\ntwo {TOKEN_A}", "share a token"),
+    ],
+)
+def test_a_bad_tenant_file_refuses_the_start_with_the_line(text, why):
+    with pytest.raises(AuthConfigError, match=why):
+        TenantTable.from_text(text, "f")
+
+
+def test_a_tenant_file_others_can_read_is_refused(tmp_path):
+    path = tmp_path / "tenants"
+    path.write_text(f"team {TOKEN_A}\n")
+    os.chmod(path, 0o644)
+    with pytest.raises(AuthConfigError, match="readable by every local user"):
+        TenantTable.load(str(path))
+    os.chmod(path, 0o600)
+    assert len(TenantTable.load(str(path))) == 1
+
+
+def test_a_token_names_its_tenant_and_nothing_else_does():
+    table = TenantTable.from_text(f"a {TOKEN_A}\nb {TOKEN_B}", "t")
+    assert table.identify([("authorization", f"Bearer {TOKEN_B}")]).name == "b"
+    assert table.identify([("authorization", f"Bearer {TOKEN_A}x")]) is None
+    assert table.identify([("authorization", TOKEN_A)]) is None  # not as a bearer token
+    assert table.identify(None) is None
+
+
+# ------------------------------------------------------------------ the engine
+
+
+@pytest.fixture
+def engine():
+    cfg = ServerConfig(pool_size_bytes=16 * MIB, http_addr=None, slab_bytes=4 * MIB, reaper_interval_s=3600)
+    eng = KVEngine(cfg)
+    yield eng
+    eng.close()
+
+
+def open_for(eng: KVEngine, tenant: Tenant | None) -> tuple[str, str]:
+    sid = eng.open_session("t", tenant=tenant).session_id
+    return sid, eng.register_instance(sid, layout()).instance_id
+
+
+def save(eng: KVEngine, sid: str, iid: str, hs: list[bytes]) -> list[AllocStatus]:
+    res = eng.allocate_blocks(sid, iid, hs)
+    if res.save_id:
+        eng.seal_blocks(sid, res.save_id)
+    return res.statuses
+
+
+def test_tenants_never_share_a_block_and_one_tenants_engines_do(engine):
+    a, b = Tenant("a", TOKEN_A), Tenant("b", TOKEN_B)
+    sa, ia = open_for(engine, a)
+    sa2, ia2 = open_for(engine, a)  # a second engine of tenant a
+    sb, ib = open_for(engine, b)
+    sn, i_none = open_for(engine, None)
+    chain = hashes(4)
+    assert save(engine, sa, ia, chain) == [AllocStatus.GRANTED] * 4
+    assert engine.query_prefix(sa2, ia2, chain).num_hits == 4  # shared within the tenant
+    assert engine.query_prefix(sb, ib, chain).num_hits == 0  # b cannot see a's prompts
+    assert engine.query_prefix(sn, i_none, chain).num_hits == 0
+    # b's save of the same hashes is its own (GRANTED, not EXISTS: no probing a's blocks).
+    assert save(engine, sb, ib, chain) == [AllocStatus.GRANTED] * 4
+    stats = engine.stats()
+    tenants = {t.name: t for t in stats.tenants}
+    assert tenants["a"].sessions == 2 and tenants["a"].resident_blocks == 4
+    assert tenants["b"].sessions == 1 and tenants["b"].resident_blocks == 4
+    assert tenants[""].sessions == 1 and tenants[""].resident_blocks == 0
+    assert {ns.tenant for ns in stats.namespaces} == {"a", "b", ""}
+    assert len({ns.namespace_id for ns in stats.namespaces}) == 3
+
+
+def test_without_tenants_the_namespace_ids_are_unchanged_and_no_tenant_stats(engine):
+    from pegaflow.server.store.namespace import namespace_id
+
+    sid, _ = open_for(engine, None)
+    stats = engine.stats()
+    assert [ns.namespace_id for ns in stats.namespaces] == [namespace_id(layout())]
+    assert stats.tenants == []
+    assert namespace_id(layout(), "a") != namespace_id(layout())
+
+
+def test_the_leased_limit_holds_over_all_a_tenants_sessions(engine):
+    a = Tenant("a", TOKEN_A, leased_bytes=6 * BLOCK)
+    sa, ia = open_for(engine, a)
+    sa2, ia2 = open_for(engine, a)
+    sb, ib = open_for(engine, Tenant("b", TOKEN_B))
+    chain = hashes(8)
+    save(engine, sa, ia, chain)
+    save(engine, sb, ib, chain)
+    first = engine.query_prefix(sa, ia, chain[:4], lease=True)
+    assert first.num_hits == 4
+    second = engine.query_prefix(sa2, ia2, chain, lease=True)
+    assert second.num_hits == 2  # cut to the tenant's room: 6 - 4 blocks
+    with pytest.raises(ResourceExhausted, match="tenant a already pins"):
+        engine.query_prefix(sa2, ia2, chain, lease=True)
+    assert engine.query_prefix(sb, ib, chain, lease=True).num_hits == 8  # b is not a's limit
+    engine.release_lease(sa, first.lease_id)
+    assert engine.query_prefix(sa2, ia2, chain[:4], lease=True).num_hits == 4  # room again
+    refusals = {t.name: t.quota_refusals for t in engine.stats().tenants}
+    assert refusals["a"] == 2 and refusals["b"] == 0
+
+
+def test_the_unsealed_limit_holds_over_all_a_tenants_sessions(engine):
+    a = Tenant("a", TOKEN_A, unsealed_bytes=5 * BLOCK)
+    sa, ia = open_for(engine, a)
+    sa2, ia2 = open_for(engine, a)
+    sb, ib = open_for(engine, Tenant("b", TOKEN_B))
+    open_save = engine.allocate_blocks(sa, ia, hashes(4, "x"))
+    assert open_save.statuses == [AllocStatus.GRANTED] * 4
+    other = engine.allocate_blocks(sa2, ia2, hashes(4, "y"))
+    assert other.statuses == [AllocStatus.GRANTED] + [AllocStatus.REJECTED] * 3
+    assert engine.allocate_blocks(sb, ib, hashes(4, "y")).statuses == [AllocStatus.GRANTED] * 4
+    assert {t.name: t.unsealed_bytes for t in engine.stats().tenants} == {"a": 5 * BLOCK, "b": 4 * BLOCK}
+    engine.seal_blocks(sa, open_save.save_id)
+    again = engine.allocate_blocks(sa2, ia2, hashes(4, "z"))
+    assert again.statuses == [AllocStatus.GRANTED] * 4  # the seal gave the room back
