@@ -159,7 +159,7 @@ class KVEngine:
         foreground: ForegroundPriority | None = None,
     ):
         """``foreground``: told of every query served wholly from DRAM, so that the SSD tier's
-        I/O yields to it (server/movers/foreground_priority.py)."""
+        reads yield to it (server/movers/foreground_priority.py)."""
         self.config = config
         self._foreground = foreground
         self.observer = observer or EngineObserver()
@@ -497,7 +497,7 @@ class KVEngine:
             self._mover.submit(planned)
         self._after_query(purpose, ns_index, hashes, ready, len(scan.entries) if account else None)
         if self._foreground is not None and 0 < scan.ready == len(scan.entries):
-            self._foreground.ready_hit()  # served now: the disk waits a moment (a lock-free note)
+            self._foreground.ready_hit()  # served now: SSD reads wait a moment (the pacer's own short lock)
         searching = False
         remote = self._remote
         if remote is not None and len(scan.entries) < len(hashes):
