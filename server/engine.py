@@ -32,7 +32,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -57,6 +57,7 @@ from pegaflow.server.movers.foreground_priority import ForegroundPriority
 from pegaflow.server.movers.tier_io import TierMover
 from pegaflow.server.policy import make_policy
 from pegaflow.server.policy.placement import SsdPlacement, sighting_keys
+from pegaflow.server.policy.tenant_caps import TenantCappedPolicy
 from pegaflow.server.store import persistence
 from pegaflow.server.store.block_store import BlockStore, IoBatch, StoreLimits
 from pegaflow.server.store.index import BlockEntry
@@ -157,9 +158,11 @@ class KVEngine:
         region: PoolRegion | None = None,
         ssd: TierBase | None = None,
         foreground: ForegroundPriority | None = None,
+        tenant_caps: Mapping[str, int] | None = None,
     ):
         """``foreground``: told of every query served wholly from DRAM, so that the SSD tier's
-        reads yield to it (server/movers/foreground_priority.py)."""
+        reads yield to it (server/movers/foreground_priority.py). ``tenant_caps``: tenant name ->
+        the most DRAM bytes its blocks may hold (--tenant-file pool=SIZE, policy/tenant_caps.py)."""
         self.config = config
         self._foreground = foreground
         self.observer = observer or EngineObserver()
@@ -171,6 +174,8 @@ class KVEngine:
             self.dram = DramTier(self.region, config.slab_bytes, io_aligned=ssd is not None)
             self.allocator = self.dram.allocator
             self.policy = make_policy(config.enable_lfu_admission, self.region.size_bytes)
+            if tenant_caps:
+                self.policy = TenantCappedPolicy(self.policy, tenant_caps, self._tenant_of_key)
         except BaseException:
             self.region.close()
             raise
@@ -649,7 +654,9 @@ class KVEngine:
                     session_quota - session.unsealed_bytes, self._tenant_room(session, "unsealed_bytes")
                 )
                 room = int(min(max(room_bytes, 0) // block_bytes, len(hashes)))
-            statuses, offsets, _ = self._store.reserve(ns_index, block_bytes, hashes, save, deadline, room)
+            statuses, offsets, _ = self._store.reserve(
+                ns_index, block_bytes, hashes, save, deadline, room, self._tenant_unsealed(session)
+            )
             stale, save.stale_slots = save.stale_slots, []
             session.unsealed_bytes += len(offsets) * block_bytes
             if AllocStatus.REJECTED in statuses:
@@ -867,9 +874,11 @@ class KVEngine:
         by_ns: dict[str, list[NamespaceStats]] = {}
         for ns in namespaces:
             by_ns.setdefault(ns.tenant, []).append(ns)
-        names = set(sessions) | set(by_ns) | set(self._tenant_refusals)
+        shares = self.policy.shares() if isinstance(self.policy, TenantCappedPolicy) else {}
+        names = set(sessions) | set(by_ns) | set(self._tenant_refusals) | set(shares)
         if names <= {DEFAULT_TENANT}:
             return []
+        cap_counts = self._store.cap_counts
         return [
             TenantStats(
                 name,
@@ -879,6 +888,10 @@ class KVEngine:
                 sum(s.leased_bytes for s in sessions.get(name, ())),
                 sum(s.unsealed_bytes for s in sessions.get(name, ())),
                 self._tenant_refusals.get(name, 0),
+                dram_bytes=shares.get(name, (0, 0))[0],
+                dram_cap_bytes=shares.get(name, (0, 0))[1],
+                cap_evictions=cap_counts.get(name, (0, 0))[0],
+                cap_refused_blocks=cap_counts.get(name, (0, 0))[1],
             )
             for name in sorted(names)
         ]
@@ -983,6 +996,19 @@ class KVEngine:
                 f"{self.config.session_leased_fraction:.0%} of the pool); release leases first"
             )
         return entries[:fits]
+
+    def _tenant_of_key(self, key) -> str:
+        """The tenant whose namespace a block key names (policy/tenant_caps.py asks, under the lock)."""
+        ns = self._namespaces.by_index(key[0])
+        return ns.tenant if ns is not None else DEFAULT_TENANT
+
+    def _tenant_unsealed(self, session: Session) -> int:
+        """Bytes granted to the saves of the session's tenant and not sealed yet (0 without a DRAM cap:
+        only a capped tenant's allocations need it)."""
+        tenant = session.tenant
+        if tenant is None or tenant.pool_bytes is None:
+            return 0
+        return sum(s.unsealed_bytes for s in self._registry.sessions if s.tenant is tenant)
 
     def _tenant_room(self, session: Session, held: str) -> int | float:
         """Bytes the session's tenant may still add to ``held`` ("leased_bytes" | "unsealed_bytes")

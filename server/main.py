@@ -281,9 +281,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--tenant-file",
         default=None,
         metavar="PATH",
-        help="tenants, one per line: NAME TOKEN [leased=SIZE] [unsealed=SIZE]. A session opened with a "
-        "tenant's token acts for that tenant: its namespaces are its own (no hits, dedup or probing across "
-        "tenants) and the limits cap what all its sessions pin and hold unsealed together. Its tokens are "
+        help="tenants, one per line: NAME TOKEN [leased=SIZE] [unsealed=SIZE] [pool=SIZE]. A session opened "
+        "with a tenant's token acts for that tenant: its namespaces are its own (no hits, dedup or probing "
+        "across tenants), leased/unsealed cap what all its sessions pin and hold unsealed together, pool "
+        "caps the DRAM its blocks hold (at the cap it evicts its own blocks, never another tenant's). Its "
+        "tokens are "
         "accepted on gRPC beside --auth-token-file's (an --auth-token-file token opens sessions of no "
         "tenant). Read at start; must not be readable by others",
     )

@@ -233,7 +233,13 @@ def start_server(config: ServerConfig) -> RunningServer:
         foreground = foreground_priority(config)
         ssd = open_ssd_tier(config, foreground)
         try:
-            server.engine = engine = KVEngine(config, observer=server.metrics, ssd=ssd, foreground=foreground)
+            server.engine = engine = KVEngine(
+                config,
+                observer=server.metrics,
+                ssd=ssd,
+                foreground=foreground,
+                tenant_caps=access.tenants.pool_caps() if access.tenants is not None else None,
+            )
         except BaseException:
             if ssd is not None:
                 ssd.close()

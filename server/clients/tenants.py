@@ -4,7 +4,7 @@ Without a tenant file every session belongs to the one unnamed tenant "" (as bef
 holder is the same principal). With one, each line names a tenant, its secret token and its limits:
 
     # name    token (>= 16 printable characters)      limits (optional)
-    team-a    3f0c8e1d2b4a59687766554433221100         leased=8gb unsealed=2gb
+    team-a    3f0c8e1d2b4a59687766554433221100         leased=8gb unsealed=2gb pool=40gb
     team-b    9a8b7c6d5e4f30211203948576abcdef
 
 What a tenant gets (ARCHITECTURE.md, "Trust model"):
@@ -20,8 +20,12 @@ What a tenant gets (ARCHITECTURE.md, "Trust model"):
   ``unsealed`` (bytes granted to its saves and not sealed yet), on top of each session's own
   quotas; past them a lease is cut short and a save's extra blocks are REJECTED, counted in
   ``quota_refusals`` and per tenant.
+* **A cap on its DRAM** (``pool``): the most bytes of its blocks the pool holds at once. At its
+  cap a tenant makes room by evicting its own least recently used blocks, never another tenant's
+  (policy/tenant_caps.py), so a tenant that saves without end churns its own share and the others
+  keep the rest of the pool. Caps may add up to more than the pool: a cap bounds, it reserves nothing.
 
-What it does not get: its own memory. Every session maps the whole pool (one region), so a tenant
+What it does not get: memory of its own. Every session maps the whole pool (one region), so a tenant
 that runs code on this host and can open the local sockets can still read or overwrite other
 tenants' blocks through its mapping; tenants that must not trust each other with that need a
 server each (and the socket permissions that keep the others out).
@@ -44,7 +48,7 @@ from pegaflow.common.units import parse_size
 
 DEFAULT_TENANT = ""  # sessions opened without a tenant token (no tenant file, or an operator token)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-_LIMITS = ("leased", "unsealed")
+_LIMITS = ("leased", "unsealed", "pool")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +57,7 @@ class Tenant:
     token: str = dataclasses.field(repr=False)
     leased_bytes: int | None = None  # None: no tenant-wide limit (the session quotas still apply)
     unsealed_bytes: int | None = None
+    pool_bytes: int | None = None  # None: no DRAM cap (the tenant competes for the whole pool)
 
 
 class TenantTable:
@@ -78,17 +83,25 @@ class TenantTable:
                 key, sep, value = option.partition("=")
                 if not sep or key not in _LIMITS or key in limits:
                     raise AuthConfigError(
-                        f"{here}: {option!r} is not a limit (leased=SIZE, unsealed=SIZE, each once)"
+                        f"{here}: {option!r} is not a limit "
+                        "(leased=SIZE, unsealed=SIZE, pool=SIZE, each once)"
                     )
                 try:
                     limits[key] = parse_size(value)
                 except ValueError as exc:
                     raise AuthConfigError(f"{here}: {key}: {exc}") from None
-            tenant = Tenant(name, check_token(token, here), limits.get("leased"), limits.get("unsealed"))
+            tenant = Tenant(
+                name,
+                check_token(token, here),
+                limits.get("leased"),
+                limits.get("unsealed"),
+                limits.get("pool"),
+            )
             tenants.append(tenant)
         if not tenants:
             raise AuthConfigError(
-                f"{where} names no tenant (one per line: NAME TOKEN [leased=SIZE] [unsealed=SIZE])"
+                f"{where} names no tenant "
+                "(one per line: NAME TOKEN [leased=SIZE] [unsealed=SIZE] [pool=SIZE])"
             )
         names = [t.name for t in tenants]
         if len(set(names)) != len(names):
@@ -118,6 +131,10 @@ class TenantTable:
         except UnicodeDecodeError:
             raise AuthConfigError(f"{what} {path}: a tenant file is ASCII text") from None
         return cls.from_text(text, f"{what} {path}")
+
+    def pool_caps(self) -> dict[str, int]:
+        """Tenant name -> its DRAM cap in bytes, for the tenants that have one."""
+        return {t.name: t.pool_bytes for t in self._tenants if t.pool_bytes is not None}
 
     def tokens(self) -> tuple[str, ...]:
         return tuple(t.token for t in self._tenants)

@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 from pegaflow.common.wire.types import AllocStatus, Tier
 from pegaflow.server.policy.base import EvictionPolicy
 from pegaflow.server.policy.placement import SsdPlacement
+from pegaflow.server.policy.tenant_caps import TenantCappedPolicy
 from pegaflow.server.store.index import NO_SLOT, SEALED, WRITING, BlockEntry, BlockIndex, BlockKey
 from pegaflow.server.store.namespace import NamespaceTable, block_tag
 from pegaflow.server.store.stats import StoreCounters
@@ -125,6 +126,9 @@ class BlockStore:
         # zeroed before the writer gets it (off the lock, by the engine), so a writer that seals
         # without writing exposes zeros, never another namespace's bytes (review finding F2).
         self._slot_owner: dict[int, int] = {}
+        # Per capped tenant (policy/tenant_caps.py): [its own blocks evicted to stay under its cap,
+        # new blocks refused at its cap]. Monotonic.
+        self.cap_counts: dict[str, list[int]] = {}
 
     # ============================================================== save path
 
@@ -136,10 +140,13 @@ class BlockStore:
         save,
         deadline: float | None,
         max_grant: int | None = None,
+        cap_pending_bytes: int = 0,
     ) -> tuple[list[AllocStatus], list[int], list[BlockEntry]]:
-        """DRAM slots for the hashes not stored yet, at most ``max_grant`` of them (the rest REJECTED:
-        the caller's quota). Returns (status per hash, offsets of the granted ones, the chain's stored
-        entries). Granted entries are WRITING and listed in save.pending."""
+        """DRAM slots for the hashes not stored yet, at most ``max_grant`` of them and as many as the
+        tenant's DRAM cap lets in (the rest REJECTED: quotas; ``cap_pending_bytes``: the tenant's
+        blocks granted and not sealed yet, see ``cap_room``). Returns (status per hash, offsets of the
+        granted ones, the chain's stored entries). Granted entries are WRITING and listed in
+        save.pending."""
         statuses: list[AllocStatus] = []
         new_hashes: list[bytes] = []
         new_positions: list[int] = []
@@ -163,6 +170,11 @@ class BlockStore:
                 new_hashes.append(block_hash)
                 new_positions.append(position)
         # The chain's stored blocks are not evicted to make room for its own tail, useless without them.
+        capped = self.cap_room(ns_index, block_bytes, len(new_hashes), stored, cap_pending_bytes)
+        for position, block_hash in zip(new_positions[capped:], new_hashes[capped:], strict=True):
+            statuses[position] = AllocStatus.REJECTED
+            del save.pending[block_hash]
+        del new_positions[capped:], new_hashes[capped:]
         offsets = self._allocate_slots(block_bytes, len(new_hashes), deadline, keep=stored)
         for position, block_hash in zip(
             new_positions[len(offsets) :], new_hashes[len(offsets) :], strict=True
@@ -514,6 +526,48 @@ class BlockStore:
         offsets += allocator.allocate_many(block_bytes, need, hold=True)
         return offsets
 
+    def cap_room(
+        self,
+        ns_index: int,
+        block_bytes: int,
+        count: int,
+        keep: Sequence[BlockEntry] = (),
+        pending_bytes: int = 0,
+    ) -> int:
+        """How many of ``count`` new DRAM blocks of namespace ``ns_index`` its tenant's DRAM cap lets
+        in (all of them for a tenant without one: policy/tenant_caps.py), after evicting the tenant's
+        own least recently used blocks to make room (never one of ``keep`` nor a pinned one).
+        ``pending_bytes``: the tenant's blocks granted and not sealed yet, which land under the cap
+        too when they are sealed."""
+        caps = self.policy
+        if count == 0 or not isinstance(caps, TenantCappedPolicy):
+            return count
+        ns = self.namespaces.by_index(ns_index)
+        cap = caps.cap_of(ns.tenant) if ns is not None else None
+        if cap is None:
+            return count
+        tenant = ns.tenant
+        want = pending_bytes + count * block_bytes
+        get = self.index.get
+        kept = {entry.key for entry in keep}
+
+        def skip(key: BlockKey) -> bool:
+            return key in kept or not self._evictable(get(key))
+
+        while caps.resident_bytes_of(tenant) + want > cap:
+            victim = caps.next_victim_of(tenant, skip)
+            if victim is None:
+                break  # the rest of its share is pinned or kept: what does not fit is refused
+            self._evict_dram(get(victim))
+            counts = self.cap_counts.setdefault(tenant, [0, 0])
+            counts[0] += 1
+        room = cap - pending_bytes - caps.resident_bytes_of(tenant)
+        fits = max(0, min(count, room // block_bytes))
+        if fits < count:
+            counts = self.cap_counts.setdefault(tenant, [0, 0])
+            counts[1] += count - fits
+        return fits
+
     def _move_slab(self, block_bytes: int) -> bool:
         """Evicts every block of the emptiest movable slab of another size; False if there is none."""
         slab = self.allocator.reclaimable_slab(block_bytes)
@@ -554,7 +608,8 @@ class BlockStore:
         """DRAM slots for SSD-only blocks, in chain order; returns how many got one. Blocks of one
         size share one allocation (chains are single-namespace, so they do)."""
         block_bytes = entries[0].length
-        slots = self._allocate_slots(block_bytes, len(entries), None, keep=keep)
+        fits = self.cap_room(entries[0].key[0], block_bytes, len(entries), keep)
+        slots = self._allocate_slots(block_bytes, fits, None, keep=keep)
         for entry, slot in zip(entries, slots, strict=False):
             self.index.attach_slot(entry, slot, Tier.SSD)
             entry.held = True  # the allocation held its slab
@@ -656,7 +711,8 @@ class BlockStore:
             wanted.append(block_hash)
         if not wanted:
             return []
-        slots = self._allocate_slots(block_bytes, len(wanted), None)
+        fits = self.cap_room(ns_index, block_bytes, len(wanted))
+        slots = self._allocate_slots(block_bytes, fits, None)
         entries = []
         for block_hash, slot in zip(wanted, slots, strict=False):
             entry = self.index.add_fetching((ns_index, block_hash), block_bytes, slot)

@@ -123,6 +123,11 @@ class TenantStats:
     leased_bytes: int
     unsealed_bytes: int
     quota_refusals: int
+    # With a DRAM cap (--tenant-file pool=SIZE, policy/tenant_caps.py); 0 for an uncapped tenant.
+    dram_bytes: int = 0  # its blocks' bytes in DRAM
+    dram_cap_bytes: int = 0
+    cap_evictions: int = 0  # its own blocks evicted to make room under its cap
+    cap_refused_blocks: int = 0  # new blocks (saves, promotions, fetches) that did not fit its cap
 
 
 @dataclasses.dataclass
@@ -325,5 +330,25 @@ TENANT_METRICS: dict[str, tuple[str, str, str]] = {
         "counter",
         "pegaflow_tenant_quota_refusals",
         "Leases cut short and saves refused blocks by a quota, per tenant",
+    ),
+    "dram_bytes": (
+        "gauge",
+        "pegaflow_tenant_dram_bytes",
+        "Bytes of the tenant's blocks in DRAM (capped tenants)",
+    ),
+    "dram_cap_bytes": (
+        "gauge",
+        "pegaflow_tenant_dram_cap_bytes",
+        "The tenant's DRAM cap (--tenant-file pool=SIZE); 0: uncapped",
+    ),
+    "cap_evictions": (
+        "counter",
+        "pegaflow_tenant_cap_evictions",
+        "The tenant's own blocks evicted to make room under its DRAM cap",
+    ),
+    "cap_refused_blocks": (
+        "counter",
+        "pegaflow_tenant_cap_refused_blocks",
+        "New blocks of the tenant (saves, promotions, fetches) that did not fit under its DRAM cap",
     ),
 }

@@ -88,3 +88,45 @@ def test_a_bad_tenant_file_refuses_the_start(tmp_path):
             pass
     assert "--tenant-file" in info.value.log and "line 1" in info.value.log
     assert "Traceback" not in info.value.log
+
+
+def save_rows(c: PegaClient, inst, chain: list[bytes], value: int) -> int:
+    batch = c.allocate(inst, chain)
+    granted = [a for a in batch.allocations if a.granted]
+    rows = [np.full(LAYOUT.block_bytes, value, np.uint8)] * len(granted)
+    write_blocks(c.pool_view(batch.epoch), granted, rows)
+    if batch.save_id:
+        c.seal(batch.save_id)
+    return len(granted)
+
+
+def test_a_tenant_at_its_dram_cap_evicts_its_own_blocks_not_the_others(tmp_path):
+    """A 16 MiB pool (256 blocks), team-a capped at 1 MiB (16 blocks): team-a saves 8x its cap in
+    saves of 8 blocks while team-b's 200 blocks, the least recently used of the pool, stay whole."""
+    tenants = tmp_path / "tenants"
+    tenants.write_text(f"team-a {TOKEN_A} pool=1mb\nteam-b {TOKEN_B}\n")
+    tenants.chmod(0o600)
+    with ServerProcess(tmp_path / "srv", pool_size="16mb", extra_args=["--tenant-file", str(tenants)]) as srv:
+        a, b = client(srv.addr, TOKEN_A), client(srv.addr, TOKEN_B)
+        ia, ib = a.register_instance(LAYOUT), b.register_instance(LAYOUT)
+        b_chain = [f"b-{i}".encode() for i in range(200)]
+        for start in range(0, 200, 50):
+            save_rows(b, ib, b_chain[: start + 50], 2)
+        for n in range(16):
+            assert save_rows(a, ia, [f"a{n}-{i}".encode() for i in range(8)], 3) == 8
+        assert b.query_prefix(ib, b_chain).num_hits == 200
+        got = b.query_prefix(ib, b_chain[:100], lease=True)  # a lease pins at most half the pool
+        out = np.empty((got.num_hits, LAYOUT.block_bytes), dtype=np.uint8)
+        read_blocks(b.pool_view(got.epoch), got.locations, out)
+        b.release(got.lease_id, loaded_bytes=out.nbytes)
+        assert got.num_hits == 100 and bool((out == 2).all())
+        assert a.query_prefix(ia, [f"a15-{i}".encode() for i in range(8)]).num_hits == 8
+        row = {t.name: t for t in a.stats().tenants}["team-a"]
+        assert (row.dram_bytes, row.dram_cap_bytes) == (1 << 20, 1 << 20)
+        assert row.cap_evictions == 128 - 16
+        with urllib.request.urlopen(f"http://{srv.http_addr}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        assert 'pegaflow_tenant_dram_cap_bytes{tenant="team-a"} 1.048576e+06' in text
+        assert f'pegaflow_tenant_cap_evictions_total{{tenant="team-a"}} {128 - 16:.1f}' in text
+        a.close()
+        b.close()

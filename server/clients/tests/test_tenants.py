@@ -39,11 +39,13 @@ def hashes(n: int, tag: str = "h") -> list[bytes]:
 
 def test_the_tenant_file_is_parsed_with_limits():
     table = TenantTable.from_text(
-        f"# comment\nteam-a {TOKEN_A} leased=1mb unsealed=512kb  # trailing\n\nteam_b.2 {TOKEN_B}\n", "t"
+        f"# comment\nteam-a {TOKEN_A} leased=1mb unsealed=512kb pool=2mb # trailing\n\nteam_b.2 {TOKEN_B}\n",
+        "t",
     )
     a, b = table.by_name["team-a"], table.by_name["team_b.2"]
-    assert (a.leased_bytes, a.unsealed_bytes) == (1 << 20, 512 << 10)
-    assert (b.leased_bytes, b.unsealed_bytes) == (None, None)
+    assert (a.leased_bytes, a.unsealed_bytes, a.pool_bytes) == (1 << 20, 512 << 10, 2 << 20)
+    assert (b.leased_bytes, b.unsealed_bytes, b.pool_bytes) == (None, None, None)
+    assert table.pool_caps() == {"team-a": 2 << 20}
     assert set(table.tokens()) == {TOKEN_A, TOKEN_B}
     assert TOKEN_A not in repr(a)  # a secret is never printed
 
@@ -54,7 +56,8 @@ def test_the_tenant_file_is_parsed_with_limits():
         ("", "names no tenant"),
         (f"bad/name {TOKEN_A}", "tenant name"),
         ("team short", "16"),
-        (f"team {TOKEN_A} pool=1gb", "not a limit"),
+        (f"team {TOKEN_A} memory=1gb", "not a limit"),
+        (f"team {TOKEN_A} pool=1gb pool=2gb", "not a limit"),
         (f"team {TOKEN_A} leased=1gb leased=2gb", "not a limit"),
         (f"team {TOKEN_A} leased=lots", "leased"),
         (f"team {TOKEN_A}\nteam {TOKEN_B}", "named twice"),
@@ -174,3 +177,61 @@ def test_the_unsealed_limit_holds_over_all_a_tenants_sessions(engine):
     engine.seal_blocks(sa, open_save.save_id)
     again = engine.allocate_blocks(sa2, ia2, hashes(4, "z"))
     assert again.statuses == [AllocStatus.GRANTED] * 4  # the seal gave the room back
+
+
+# ------------------------------------------------------------ the DRAM cap (pool=SIZE)
+
+POOL_BLOCKS = 256  # the fixture's 16 MiB pool in 64 KiB blocks
+CAP_BLOCKS = 32
+
+
+@pytest.fixture
+def capped():
+    cfg = ServerConfig(pool_size_bytes=16 * MIB, http_addr=None, slab_bytes=4 * MIB, reaper_interval_s=3600)
+    eng = KVEngine(cfg, tenant_caps={"a": CAP_BLOCKS * BLOCK})
+    yield eng
+    eng.close()
+
+
+def tenant_row(eng: KVEngine, name: str):
+    return {t.name: t for t in eng.stats().tenants}[name]
+
+
+def test_a_capped_tenant_churns_its_own_share_and_never_pushes_others_out(capped):
+    a = Tenant("a", TOKEN_A, pool_bytes=CAP_BLOCKS * BLOCK)
+    sa, ia = open_for(capped, a)
+    sb, ib = open_for(capped, Tenant("b", TOKEN_B))
+    victim_chain = hashes(POOL_BLOCKS - CAP_BLOCKS - 8, "b")  # b fills what the cap leaves, nearly
+    for start in range(0, len(victim_chain), 64):  # in saves below a session's unsealed quota
+        part = victim_chain[: start + 64]
+        assert AllocStatus.REJECTED not in save(capped, sb, ib, part)
+    # a saves four times its cap, 16 blocks at a time: each save past the cap evicts a's own
+    # oldest blocks, never b's, although b's are the least recently used of the pool.
+    for n in range(8):
+        assert save(capped, sa, ia, hashes(16, f"a{n}")) == [AllocStatus.GRANTED] * 16
+        assert tenant_row(capped, "a").dram_bytes <= CAP_BLOCKS * BLOCK
+    assert capped.query_prefix(sb, ib, victim_chain).num_hits == len(victim_chain)
+    assert capped.query_prefix(sa, ia, hashes(16, "a7")).num_hits == 16  # its newest are kept
+    assert capped.query_prefix(sa, ia, hashes(16, "a0")).num_hits == 0  # its oldest went
+    row = tenant_row(capped, "a")
+    assert (row.dram_bytes, row.dram_cap_bytes) == (CAP_BLOCKS * BLOCK, CAP_BLOCKS * BLOCK)
+    assert row.cap_evictions == 6 * 16 and row.cap_refused_blocks == 0
+    assert tenant_row(capped, "b").dram_cap_bytes == 0  # b is uncapped
+
+
+def test_what_does_not_fit_under_the_cap_is_refused_as_a_quota(capped):
+    a = Tenant("a", TOKEN_A, pool_bytes=CAP_BLOCKS * BLOCK)
+    sa, ia = open_for(capped, a)
+    statuses = save(capped, sa, ia, hashes(CAP_BLOCKS + 8, "x"))
+    assert statuses == [AllocStatus.GRANTED] * CAP_BLOCKS + [AllocStatus.REJECTED] * 8
+    # Its whole share pinned by a lease: nothing of its own can go, so new blocks are refused
+    # while the pool has room, and the granted-but-unsealed blocks of an open save count too.
+    lease = capped.query_prefix(sa, ia, hashes(CAP_BLOCKS, "x"), lease=True)
+    assert lease.num_hits == CAP_BLOCKS
+    assert save(capped, sa, ia, hashes(4, "y")) == [AllocStatus.REJECTED] * 4
+    capped.release_lease(sa, lease.lease_id)
+    open_save = capped.allocate_blocks(sa, ia, hashes(8, "z"))
+    assert open_save.statuses == [AllocStatus.GRANTED] * 8  # 8 of a's old blocks evicted for them
+    assert save(capped, sa, ia, hashes(CAP_BLOCKS, "w")).count(AllocStatus.GRANTED) == CAP_BLOCKS - 8
+    row = tenant_row(capped, "a")
+    assert row.cap_refused_blocks == 8 + 4 + 8 and row.quota_refusals == 3
