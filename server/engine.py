@@ -50,6 +50,7 @@ from pegaflow.server.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
+    PoolCapacityError,
     ResourceExhausted,
 )
 from pegaflow.server.movers.block_hasher import BlockHasher
@@ -65,10 +66,11 @@ from pegaflow.server.store.namespace import KvLayout, NamespaceTable
 from pegaflow.server.store.stats import ClientCounters, EngineStats, NamespaceStats, TenantStats
 from pegaflow.server.tiers.base import IoStatus
 from pegaflow.server.tiers.base import Tier as TierBase
+from pegaflow.server.tiers.dram.allocator import default_slab_bytes
 from pegaflow.server.tiers.dram.journal import FILE_NAME as JOURNAL_FILE
 from pegaflow.server.tiers.dram.journal import DramJournal, JournaledBlock, JournalLayout, replay
 from pegaflow.server.tiers.dram.journal import verified as journal_verified
-from pegaflow.server.tiers.dram.region import PoolRegion
+from pegaflow.server.tiers.dram.region import PoolRegion, RegionPart
 from pegaflow.server.tiers.dram.tier import DramTier
 
 log = logging.getLogger(__name__)
@@ -159,23 +161,41 @@ class KVEngine:
         ssd: TierBase | None = None,
         foreground: ForegroundPriority | None = None,
         tenant_caps: Mapping[str, int] | None = None,
+        tenant_regions: Mapping[str, int] | None = None,
     ):
         """``foreground``: told of every query served wholly from DRAM, so that the SSD tier's
         reads yield to it (server/movers/foreground_priority.py). ``tenant_caps``: tenant name ->
-        the most DRAM bytes its blocks may hold (--tenant-file pool=SIZE, policy/tenant_caps.py)."""
+        the most DRAM bytes its blocks may hold (--tenant-file pool=SIZE, policy/tenant_caps.py).
+        ``tenant_regions``: tenant name -> the size of its memory of its own (region=SIZE): a memfd
+        beside the pool holding only its blocks, the only one its sessions are handed."""
         self.config = config
         self._foreground = foreground
         self.observer = observer or EngineObserver()
         self.epoch = secrets.token_hex(8)
+        tenant_regions = dict(tenant_regions or {})
+        slab_bytes = config.slab_bytes
+        if region is None and tenant_regions:
+            if config.pool_dir:
+                raise PoolCapacityError(
+                    "tenant regions (--tenant-file region=SIZE) are memfds of their own: they need the "
+                    "default pool backing, not --pool-dir"
+                )
+            slab_bytes = slab_bytes or default_slab_bytes(config.pool_size_bytes)
+            region = PoolRegion.create_with_parts(
+                config.pool_size_bytes, list(tenant_regions.items()), slab_bytes, config.use_hugepages
+            )
         self.region = region or PoolRegion.create(
             config.pool_size_bytes, config.use_hugepages, config.pool_dir, persistent=config.persist_pool
         )
         try:
-            self.dram = DramTier(self.region, config.slab_bytes, io_aligned=ssd is not None)
+            self.dram = DramTier(self.region, slab_bytes, io_aligned=ssd is not None)
             self.allocator = self.dram.allocator
-            self.policy = make_policy(config.enable_lfu_admission, self.region.size_bytes)
-            if tenant_caps:
-                self.policy = TenantCappedPolicy(self.policy, tenant_caps, self._tenant_of_key)
+            self.policy = make_policy(config.enable_lfu_admission, self.region.parts[0].size_bytes)
+            isolated = {p.name: p.size_bytes for p in self.region.parts[1:]}
+            if tenant_caps or isolated:
+                self.policy = TenantCappedPolicy(
+                    self.policy, tenant_caps or {}, self._tenant_of_key, isolated
+                )
         except BaseException:
             self.region.close()
             raise
@@ -207,6 +227,7 @@ class KVEngine:
             limits=StoreLimits(config.promote_inflight_bytes, config.demote_inflight_bytes),
             hasher=self._hasher,
         )
+        self._store.tenant_parts = {p.name: i for i, p in enumerate(self.region.parts) if i}
         self._mover = TierMover(self._transfer_done)
         # Where the namespaces' layouts are kept beside persisted blocks: the SSD tier's records, the
         # persistent pool's journal (none: nothing outlives this process).
@@ -356,12 +377,15 @@ class KVEngine:
         ``trusted``: the server's own in-process parts (the GPU data path), which act on instances of
         other sessions; a client's session only ever reaches its own instances, leases and saves.
         ``tenant`` (clients/tenants.py): who it acts for; its instances get that tenant's namespaces."""
+        if tenant is not None and tenant.region_bytes is not None and not trusted:
+            self._region_of(tenant)  # refused before anything is opened
         with self._locked(deadline):
             session = self._registry.open_session(
                 client_name, pid, hostname, time.monotonic(), expires, trusted
             )
             session.read_only = read_only
             session.tenant = tenant
+            part = self._part_of_session(session)
         log.info(
             "session %s opened: %r pid %d on %r%s",
             session.id,
@@ -375,7 +399,8 @@ class KVEngine:
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             ttl_s=self.config.session_ttl_s,
             epoch=self.epoch,
-            pool_size_bytes=self.region.size_bytes,
+            # What its client maps: the pool or its tenant's region (the server's own parts: all of it).
+            pool_size_bytes=self.region.size_bytes if trusted else part.size_bytes,
             hugepages=self.region.hugepages,
             server_version=__version__,
         )
@@ -396,11 +421,13 @@ class KVEngine:
         with self._locked(None):
             session = self._live(session_id)
             session.attachments += 1
+            part = self._part_of_session(session)
         return {
             "epoch": self.epoch,
-            "size_bytes": self.region.size_bytes,
+            "size_bytes": part.size_bytes,
             "hugepages": self.region.hugepages,
             "read_only": session.read_only,  # the broker passes a read-only fd then
+            "part": part.name,  # which memfd the broker passes: the pool, or the tenant's own region
         }
 
     def detach_session(self, session_id: str) -> None:
@@ -491,7 +518,8 @@ class KVEngine:
                     num_ready = min(num_ready, len(entries))
                     taken = self._take_lease(session, instance_id, ns_index, entries, ttl, lease_id)
                 ready = entries[:num_ready]
-                offsets = [e.dram for e in ready]
+                base = self._part_of_session(session).base
+                offsets = [e.dram - base for e in ready]
                 checksums = tuple(e.checksum or 0 for e in ready)
                 if account:
                     self._count_query(purpose, len(hashes), scan.sources)
@@ -582,7 +610,8 @@ class KVEngine:
                 if not entry.dram_ready:
                     break
                 ready += 1
-            offsets = [e.dram for e in held.entries[:ready]]
+            base = self._part_of_session(session).base
+            offsets = [e.dram - base for e in held.entries[:ready]]
             checksums = tuple(e.checksum or 0 for e in held.entries[:ready])
             pending = sum(1 for e in held.entries[ready:] if e.filling_from is not None)
         return PrefixResult(
@@ -646,10 +675,11 @@ class KVEngine:
                 self.config.write_timeout_s,
                 save_id,
             )
+            part = self._part_of_session(session)
             if session.trusted:
                 room = len(hashes)
             else:
-                session_quota = int(self.config.session_unsealed_fraction * self.region.size_bytes)
+                session_quota = int(self.config.session_unsealed_fraction * part.size_bytes)
                 room_bytes = min(
                     session_quota - session.unsealed_bytes, self._tenant_room(session, "unsealed_bytes")
                 )
@@ -657,6 +687,7 @@ class KVEngine:
             statuses, offsets, _ = self._store.reserve(
                 ns_index, block_bytes, hashes, save, deadline, room, self._tenant_unsealed(session)
             )
+            local_offsets = [offset - part.base for offset in offsets]
             stale, save.stale_slots = save.stale_slots, []
             session.unsealed_bytes += len(offsets) * block_bytes
             if AllocStatus.REJECTED in statuses:
@@ -671,7 +702,7 @@ class KVEngine:
         if stale:
             # Off the lock: the slots are this save's (WRITING), nobody else reads or writes them.
             self.dram.zero([(offset, block_bytes) for offset in stale])
-        return AllocateResult(save_id, statuses, offsets, block_bytes, self.epoch)
+        return AllocateResult(save_id, statuses, local_offsets, block_bytes, self.epoch)
 
     def seal_blocks(
         self,
@@ -892,6 +923,7 @@ class KVEngine:
                 dram_cap_bytes=shares.get(name, (0, 0))[1],
                 cap_evictions=cap_counts.get(name, (0, 0))[0],
                 cap_refused_blocks=cap_counts.get(name, (0, 0))[1],
+                own_region=name in self._store.tenant_parts,
             )
             for name in sorted(names)
         ]
@@ -978,7 +1010,8 @@ class KVEngine:
         """The leading part of ``entries`` the session may still pin; ResourceExhausted if none."""
         if session.trusted:
             return entries
-        room = int(self.config.session_leased_fraction * self.region.size_bytes) - session.leased_bytes
+        room = int(self.config.session_leased_fraction * self._part_of_session(session).size_bytes)
+        room -= session.leased_bytes
         tenant_room = self._tenant_room(session, "leased_bytes")
         fits = max(min(room, tenant_room), 0) // block_bytes
         if fits >= len(entries):
@@ -996,6 +1029,21 @@ class KVEngine:
                 f"{self.config.session_leased_fraction:.0%} of the pool); release leases first"
             )
         return entries[:fits]
+
+    def _part_of_session(self, session: Session) -> RegionPart:
+        """The memory a session's client maps: its tenant's own region, else the shared pool. The
+        server's own trusted sessions (the GPU path) work in the whole region's offsets: the pool's."""
+        tenant = session.tenant
+        if tenant is None or tenant.region_bytes is None or session.trusted:
+            return self.region.parts[0]
+        return self._region_of(tenant)
+
+    def _region_of(self, tenant: Tenant) -> RegionPart:
+        try:
+            return self.region.part(tenant.name)
+        except KeyError:
+            # A tenant with region= in a file this engine was not started with (an embedder's mistake).
+            raise FailedPrecondition(f"tenant {tenant.name} has no region in this server") from None
 
     def _tenant_of_key(self, key) -> str:
         """The tenant whose namespace a block key names (policy/tenant_caps.py asks, under the lock)."""

@@ -281,12 +281,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--tenant-file",
         default=None,
         metavar="PATH",
-        help="tenants, one per line: NAME TOKEN [leased=SIZE] [unsealed=SIZE] [pool=SIZE]. A session opened "
-        "with a tenant's token acts for that tenant: its namespaces are its own (no hits, dedup or probing "
-        "across tenants), leased/unsealed cap what all its sessions pin and hold unsealed together, pool "
-        "caps the DRAM its blocks hold (at the cap it evicts its own blocks, never another tenant's). Its "
-        "tokens are "
-        "accepted on gRPC beside --auth-token-file's (an --auth-token-file token opens sessions of no "
+        help="tenants, one per line: NAME TOKEN [leased=SIZE] [unsealed=SIZE] [pool=SIZE | region=SIZE]. "
+        "A session opened with a tenant's token acts for that tenant: its namespaces are its own (no hits, "
+        "dedup or probing across tenants), leased/unsealed cap what all its sessions pin and hold unsealed "
+        "together, pool caps the DRAM its blocks hold in the shared pool (at the cap it evicts its own "
+        "blocks, never another tenant's), region gives it memory of its own beside the pool (a memfd of "
+        "that size holding only its blocks, the only memory its sessions can map; not with --pool-dir). "
+        "Its tokens are accepted on gRPC beside --auth-token-file's (an --auth-token-file token opens "
+        "sessions of no "
         "tenant). Read at start; must not be readable by others",
     )
     access.add_argument(

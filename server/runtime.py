@@ -239,6 +239,7 @@ def start_server(config: ServerConfig) -> RunningServer:
                 ssd=ssd,
                 foreground=foreground,
                 tenant_caps=access.tenants.pool_caps() if access.tenants is not None else None,
+                tenant_regions=access.tenants.regions() if access.tenants is not None else None,
             )
         except BaseException:
             if ssd is not None:
@@ -249,7 +250,10 @@ def start_server(config: ServerConfig) -> RunningServer:
 
         server.fd_socket_path = config.fd_socket_path or _default_fd_socket_path(engine.epoch)
         server.broker = FdBroker(
-            server.fd_socket_path, engine.region.fd, engine.attach_session, engine.detach_session
+            server.fd_socket_path,
+            {part.name: part.fd for part in engine.region.parts},
+            engine.attach_session,
+            engine.detach_session,
         )
         server.broker.start()
         engine.add_session_listener(server.broker.forget_session)

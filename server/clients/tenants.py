@@ -24,11 +24,15 @@ What a tenant gets (ARCHITECTURE.md, "Trust model"):
   cap a tenant makes room by evicting its own least recently used blocks, never another tenant's
   (policy/tenant_caps.py), so a tenant that saves without end churns its own share and the others
   keep the rest of the pool. Caps may add up to more than the pool: a cap bounds, it reserves nothing.
+* **Or memory of its own** (``region``): a region of that size beside the pool, a memfd of its own
+  (tiers/dram/region.py). The tenant's blocks live only there, it evicts only its own, and its
+  sessions are handed only that memfd: they cannot map, read or write the pool or another
+  tenant's region, and nothing of theirs is in its. ``region`` and ``pool`` exclude each other.
 
-What it does not get: memory of its own. Every session maps the whole pool (one region), so a tenant
-that runs code on this host and can open the local sockets can still read or overwrite other
-tenants' blocks through its mapping; tenants that must not trust each other with that need a
-server each (and the socket permissions that keep the others out).
+Without ``region`` a tenant's sessions map the shared pool, so a tenant that runs code on this host
+and can open the local sockets can read or overwrite the blocks of every tenant without a region
+there (detected with block checksums, not prevented); tenants that must not trust each other with
+that get a region each.
 
 Tokens are compared in constant time. The file is read once at start (a change needs a restart:
 a session's tenant and its namespaces must not move under it).
@@ -48,7 +52,7 @@ from pegaflow.common.units import parse_size
 
 DEFAULT_TENANT = ""  # sessions opened without a tenant token (no tenant file, or an operator token)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-_LIMITS = ("leased", "unsealed", "pool")
+_LIMITS = ("leased", "unsealed", "pool", "region")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +62,7 @@ class Tenant:
     leased_bytes: int | None = None  # None: no tenant-wide limit (the session quotas still apply)
     unsealed_bytes: int | None = None
     pool_bytes: int | None = None  # None: no DRAM cap (the tenant competes for the whole pool)
+    region_bytes: int | None = None  # memory of its own (a memfd beside the pool); None: the pool
 
 
 class TenantTable:
@@ -84,7 +89,7 @@ class TenantTable:
                 if not sep or key not in _LIMITS or key in limits:
                     raise AuthConfigError(
                         f"{here}: {option!r} is not a limit "
-                        "(leased=SIZE, unsealed=SIZE, pool=SIZE, each once)"
+                        "(leased=SIZE, unsealed=SIZE, pool=SIZE, region=SIZE, each once)"
                     )
                 try:
                     limits[key] = parse_size(value)
@@ -96,12 +101,17 @@ class TenantTable:
                 limits.get("leased"),
                 limits.get("unsealed"),
                 limits.get("pool"),
+                limits.get("region"),
             )
+            if tenant.pool_bytes is not None and tenant.region_bytes is not None:
+                raise AuthConfigError(
+                    f"{here}: pool= caps a share of the pool, region= gives memory of its own: one of them"
+                )
             tenants.append(tenant)
         if not tenants:
             raise AuthConfigError(
                 f"{where} names no tenant "
-                "(one per line: NAME TOKEN [leased=SIZE] [unsealed=SIZE] [pool=SIZE])"
+                "(one per line: NAME TOKEN [leased=SIZE] [unsealed=SIZE] [pool=SIZE | region=SIZE])"
             )
         names = [t.name for t in tenants]
         if len(set(names)) != len(names):
@@ -135,6 +145,10 @@ class TenantTable:
     def pool_caps(self) -> dict[str, int]:
         """Tenant name -> its DRAM cap in bytes, for the tenants that have one."""
         return {t.name: t.pool_bytes for t in self._tenants if t.pool_bytes is not None}
+
+    def regions(self) -> dict[str, int]:
+        """Tenant name -> the size of its own region, for the tenants that have one (file order)."""
+        return {t.name: t.region_bytes for t in self._tenants if t.region_bytes is not None}
 
     def tokens(self) -> tuple[str, ...]:
         return tuple(t.token for t in self._tenants)

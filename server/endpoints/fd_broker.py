@@ -30,7 +30,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from pegaflow.common.wire import pool_fd as wire
 from pegaflow.server.endpoints.unix_socket import (
@@ -81,7 +81,7 @@ class FdBroker:
     def __init__(
         self,
         path: str,
-        fd: int,
+        fd: int | Mapping[str, int],
         attach: Callable[[str], dict],
         detach: Callable[[str], None],
         *,
@@ -91,8 +91,10 @@ class FdBroker:
         max_attachments_per_session: int = MAX_ATTACHMENTS_PER_SESSION,
     ):
         self.path = path
-        self._fd = fd
-        self._ro_fd = -1  # the pool reopened read-only, for readers (opened on first use)
+        # The memfd per part of the pool (tiers/dram/region.py): "" the shared pool, else a tenant's
+        # own region; the engine's answer to the handshake names the one a session gets.
+        self._fds = dict(fd) if not isinstance(fd, int) else {"": fd}
+        self._ro_fds: dict[str, int] = {}  # parts reopened read-only, for readers (on first use)
         self._attach = attach
         self._detach = detach
         self.handshake_timeout_s = handshake_timeout_s
@@ -137,9 +139,9 @@ class FdBroker:
         self._listener.close()
         self._wake_r.close()
         self._wake_w.close()
-        if self._ro_fd >= 0:
-            os.close(self._ro_fd)
-            self._ro_fd = -1
+        for fd in self._ro_fds.values():
+            os.close(fd)
+        self._ro_fds.clear()
         unlink_if_ours(self.path, self._identity)
 
     @property
@@ -266,18 +268,20 @@ class FdBroker:
         log.debug("fd broker: session %s attached from pid %d uid %d", session_id, conn.peer[0], conn.peer[1])
         try:
             # The handshake's answer is small and the client waits for it: its buffer has room.
-            fd = self._read_only_fd() if header.get("read_only") else self._fd
+            part = header.pop("part", "")
+            fd = self._read_only_fd(part) if header.get("read_only") else self._fds[part]
             socket.send_fds(conn.sock, [wire.encode_header(header)], [fd], socket.MSG_DONTWAIT)
         except OSError as exc:
             log.info("fd broker: could not send the pool fd to session %s: %s", session_id, exc)
             self._drop(conn, notify=True)
 
-    def _read_only_fd(self) -> int:
-        """The pool reopened read-only (through /proc/self/fd): a reader's mapping of it cannot be
+    def _read_only_fd(self, part: str) -> int:
+        """A pool part reopened read-only (through /proc/self/fd): a reader's mapping of it cannot be
         writable (mmap with PROT_WRITE and MAP_SHARED fails with EACCES), whatever the client does."""
-        if self._ro_fd < 0:
-            self._ro_fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC)
-        return self._ro_fd
+        fd = self._ro_fds.get(part)
+        if fd is None:
+            fd = self._ro_fds[part] = os.open(f"/proc/self/fd/{self._fds[part]}", os.O_RDONLY | os.O_CLOEXEC)
+        return fd
 
     def _refuse(self, conn: _Conn, reason: str) -> None:
         self._refusals.warning("fd broker: refusing a connection: %s", reason)

@@ -255,13 +255,17 @@ class TransferSource(Protocol):
     ``close_transfer``
         Called by the serving side once no send of the transfer is in flight (so the pool slots
         can be reused at once). Idempotent: an unknown or expired id is ignored. Must not block.
-    ``pool_fd`` / ``pool_view``
-        The shared pool: an fd ``os.sendfile`` can read from (the memfd), and the whole pool
-        mapped (for hashing, ``sendmsg`` and RDMA registration). Block offsets index both.
+    ``pool_fd`` / ``pool_file`` / ``pool_view``
+        The pool: an fd ``os.sendfile`` can read from (the memfd; with tenant regions the pool is
+        several memfds, and ``pool_file(offset)`` names the one holding a block and the offset in
+        it), and the whole pool mapped (for hashing, ``sendmsg`` and RDMA registration). Block
+        offsets index the view.
     """
 
     pool_fd: int
     pool_view: memoryview
+
+    def pool_file(self, offset: int) -> tuple[int, int]: ...
 
     def open_transfer(
         self, namespace_id: str, hashes: Sequence[bytes], ttl_s: float

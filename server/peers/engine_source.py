@@ -17,6 +17,10 @@ class EngineTransferSource:
     def pool_fd(self) -> int:
         return self._engine.region.fd
 
+    def pool_file(self, offset: int) -> tuple[int, int]:
+        """(fd, offset in it) of a pool byte: with tenant regions the pool is several memfds."""
+        return self._engine.region.file_at(offset)
+
     @property
     def pool_view(self) -> memoryview:
         return memoryview(self._engine.region.buffer)

@@ -252,7 +252,7 @@ class TcpDataServer:
         return True
 
     def _send_blocks(self, conn: socket.socket, transfer, indices: list[int], deadline: float) -> None:
-        pool_fd, pool = self._source.pool_fd, self._source.pool_view
+        pool_file, pool = self._source.pool_file, self._source.pool_view
         tid = transfer.wire_id
         sendfile = self.send_mode == "sendfile"
         # Checksums the store did not keep are hashed HASH_AHEAD blocks ahead on the hash pool, so
@@ -290,7 +290,8 @@ class TcpDataServer:
                 # stream is then dropped (raise), the block's bytes half-sent.
                 if sendfile:
                     sockets.send_all(conn, head, deadline, socket.MSG_MORE)
-                    sockets.sendfile_all(conn, pool_fd, block.offset, block.length, deadline)
+                    fd, at = pool_file(block.offset)
+                    sockets.sendfile_all(conn, fd, at, block.length, deadline)
                 else:
                     data = pool[block.offset : block.offset + block.length]
                     sockets.sendmsg_all(conn, (head, data), deadline)

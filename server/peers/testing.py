@@ -88,6 +88,9 @@ class MemfdTransferSource:
         self._lock = threading.Lock()
         self.opened = 0
 
+    def pool_file(self, offset: int) -> tuple[int, int]:
+        return self.pool_fd, offset
+
     def _expire(self) -> None:
         now = time.monotonic()
         for lease_id in [k for k, (exp, _) in self._leases.items() if now >= exp]:

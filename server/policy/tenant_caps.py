@@ -13,6 +13,11 @@ every other tenant's keys would scan it (and reorder it: ``ByteLRU.coldest_unski
 it skips). Recency alone orders a tenant's share, whatever the global policy: a capped tenant's
 victims are its least recently used blocks.
 
+A tenant with memory of its own (``--tenant-file`` ``region=SIZE``, tiers/dram/region.py) is
+*isolated*: its keys are mirrored only, never shown to the inner policy, because evicting them frees
+nothing in the shared pool; its share's recency is its whole eviction order, and its cap is its
+region's size.
+
 Which tenant a key belongs to is the owner's business (``tenant_of``: the block store maps a key's
 namespace to its tenant); the caps are fixed at start, so every resident key of a capped tenant is
 mirrored from its insertion on (SSD recovery included).
@@ -33,23 +38,34 @@ class TenantCappedPolicy(EvictionPolicy):
         inner: EvictionPolicy,
         caps: Mapping[str, int],
         tenant_of: Callable[[Hashable], str],
+        isolated: Mapping[str, int] | None = None,
     ) -> None:
-        for tenant, cap in caps.items():
+        """``caps``: tenant -> DRAM cap in the shared pool; ``isolated``: tenant -> the size of its own
+        region (its keys never reach ``inner``)."""
+        isolated = dict(isolated or {})
+        for tenant, cap in {**caps, **isolated}.items():
             if cap < 0:
                 raise ValueError(f"tenant {tenant!r}: a DRAM cap cannot be negative ({cap})")
+        if set(caps) & set(isolated):
+            raise ValueError("a tenant either has a cap in the pool or a region of its own")
         self.inner = inner
         self.name = inner.name
-        self._caps = dict(caps)
+        self._isolated = frozenset(isolated)
+        self._caps = {**caps, **isolated}
         self._tenant_of = tenant_of
-        self._shares: dict[str, ByteLRU] = {tenant: ByteLRU() for tenant in caps}
+        self._shares: dict[str, ByteLRU] = {tenant: ByteLRU() for tenant in self._caps}
         self._owner: dict[Hashable, ByteLRU] = {}  # mirrored key -> its tenant's share
+        self._isolated_keys: set[Hashable] = set()  # mirrored keys the inner policy never sees
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------- the caps
 
     def cap_of(self, tenant: str) -> int | None:
-        """The tenant's DRAM cap in bytes, or None (uncapped)."""
-        return self._caps.get(tenant)
+        """The tenant's DRAM cap in the shared pool in bytes, or None (uncapped, or a region of its own)."""
+        return None if tenant in self._isolated else self._caps.get(tenant)
+
+    def is_isolated(self, tenant: str) -> bool:
+        return tenant in self._isolated
 
     def capped_tenant(self, key: Hashable) -> str | None:
         """The key's tenant when that tenant has a cap, else None."""
@@ -62,7 +78,7 @@ class TenantCappedPolicy(EvictionPolicy):
         return share.nbytes if share is not None else 0
 
     def shares(self) -> dict[str, tuple[int, int]]:
-        """Capped tenant -> (resident bytes, cap)."""
+        """Capped or isolated tenant -> (resident bytes, cap or region size)."""
         with self._lock:
             return {tenant: (self._shares[tenant].nbytes, cap) for tenant, cap in self._caps.items()}
 
@@ -87,17 +103,19 @@ class TenantCappedPolicy(EvictionPolicy):
         return getattr(self.inner, attr)
 
     def __len__(self) -> int:
-        return len(self.inner)
+        return len(self.inner) + len(self._isolated_keys)
 
     def __contains__(self, key: Hashable) -> bool:
-        return key in self.inner
+        return key in self.inner or key in self._owner
 
     def record_lookups(self, keys: Sequence[Hashable]) -> None:
         self.inner.record_lookups(keys)
 
     def on_insert(self, key: Hashable, nbytes: int) -> None:
-        self.inner.on_insert(key, nbytes)
         tenant = self.capped_tenant(key)
+        isolated = tenant in self._isolated
+        if not isolated:
+            self.inner.on_insert(key, nbytes)
         if tenant is None:
             return
         with self._lock:
@@ -106,18 +124,24 @@ class TenantCappedPolicy(EvictionPolicy):
                 share.remove(key)
             share.add(key, nbytes)
             self._owner[key] = share
+            if isolated:
+                self._isolated_keys.add(key)
 
     def on_access(self, key: Hashable) -> None:
-        self.inner.on_access(key)
+        if key not in self._isolated_keys:
+            self.inner.on_access(key)
         self._touch(key)
 
     def on_refresh(self, key: Hashable) -> None:
-        self.inner.on_refresh(key)
+        if key not in self._isolated_keys:
+            self.inner.on_refresh(key)
         self._touch(key)
 
     def on_remove(self, key: Hashable) -> None:
-        self.inner.on_remove(key)
+        if key not in self._isolated_keys:
+            self.inner.on_remove(key)
         with self._lock:
+            self._isolated_keys.discard(key)
             share = self._owner.pop(key, None)
             if share is not None:
                 share.remove(key)

@@ -40,6 +40,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from functools import partial
 
 from pegaflow.common.wire.types import AllocStatus, Tier
 from pegaflow.server.policy.base import EvictionPolicy
@@ -129,6 +130,8 @@ class BlockStore:
         # Per capped tenant (policy/tenant_caps.py): [its own blocks evicted to stay under its cap,
         # new blocks refused at its cap]. Monotonic.
         self.cap_counts: dict[str, list[int]] = {}
+        # Tenant -> its region's allocator part (tiers/dram/region.py); tenants not named: the pool (0).
+        self.tenant_parts: dict[str, int] = {}
 
     # ============================================================== save path
 
@@ -175,7 +178,7 @@ class BlockStore:
             statuses[position] = AllocStatus.REJECTED
             del save.pending[block_hash]
         del new_positions[capped:], new_hashes[capped:]
-        offsets = self._allocate_slots(block_bytes, len(new_hashes), deadline, keep=stored)
+        offsets = self._allocate_slots(block_bytes, len(new_hashes), deadline, keep=stored, ns_index=ns_index)
         for position, block_hash in zip(
             new_positions[len(offsets) :], new_hashes[len(offsets) :], strict=True
         ):
@@ -475,11 +478,17 @@ class BlockStore:
             self.index.remove(entry)
 
     def _allocate_slots(
-        self, block_bytes: int, count: int, deadline: float | None, keep: Sequence[BlockEntry] = ()
+        self,
+        block_bytes: int,
+        count: int,
+        deadline: float | None,
+        keep: Sequence[BlockEntry] = (),
+        ns_index: int | None = None,
     ) -> list[int]:
-        """Up to ``count`` held DRAM slots for blocks of this size, evicting as the policy says when the
-        pool is full (never a block of ``keep``); fewer only when nothing evictable is left or the
-        deadline passed.
+        """Up to ``count`` held DRAM slots for blocks of this size (of namespace ``ns_index``: in its
+        tenant's region when it has one), evicting as the policy says when the pool (or that region) is
+        full (never a block of ``keep``); fewer only when nothing evictable is left or the deadline
+        passed.
 
         The policy's victims are evicted (whatever their size) until enough slots of this size are
         free: a victim of this size frees one, and a slab that empties can go to any size. Victims of
@@ -489,7 +498,8 @@ class BlockStore:
         address order, so a batch that replaces an evicted batch stays contiguous.
         """
         allocator = self.allocator
-        offsets = allocator.allocate_many(block_bytes, count, hold=True)
+        part, tenant = self._part_of(ns_index)
+        offsets = allocator.allocate_many(block_bytes, count, hold=True, part=part)
         need = count - len(offsets)
         if need == 0:
             return offsets
@@ -499,19 +509,22 @@ class BlockStore:
         def skip(key: BlockKey) -> bool:
             return key in kept or not self._evictable(get(key))
 
+        # The shared pool's victims come from the policy's one order; a tenant region's from the
+        # tenant's own recency (policy/tenant_caps.py), the only blocks whose eviction frees room there.
+        next_victim = self.policy.next_victim if part == 0 else partial(self.policy.next_victim_of, tenant)
         freed_elsewhere = 0
         rounds = 0
-        while allocator.available(block_bytes) < need:
+        while allocator.available(block_bytes, part) < need:
             rounds += 1
             if rounds % 64 == 0 and deadline is not None and time.monotonic() > deadline:
                 break  # grant what is free; the RPC layer undoes everything if the caller has left
             if freed_elsewhere >= allocator.slab_bytes:
                 freed_elsewhere = 0
-                if self._move_slab(block_bytes):
+                if self._move_slab(block_bytes, part):
                     continue
-            victim = self.policy.next_victim(skip)
+            victim = next_victim(skip)
             if victim is None:
-                if not self._move_slab(block_bytes):
+                if not self._move_slab(block_bytes, part):
                     break  # nothing evictable is left
                 continue
             entry = get(victim)
@@ -523,8 +536,17 @@ class BlockStore:
             self._evict_dram(entry)
             if entry.length != block_bytes:
                 freed_elsewhere += entry.length
-        offsets += allocator.allocate_many(block_bytes, need, hold=True)
+        offsets += allocator.allocate_many(block_bytes, need, hold=True, part=part)
         return offsets
+
+    def _part_of(self, ns_index: int | None) -> tuple[int, str]:
+        """(the allocator part, the tenant) of a namespace's blocks: 0 and "" unless its tenant has a
+        region of its own (tiers/dram/region.py)."""
+        if ns_index is None or self.allocator.parts == 1:
+            return 0, ""
+        ns = self.namespaces.by_index(ns_index)
+        tenant = ns.tenant if ns is not None else ""
+        return self.tenant_parts.get(tenant, 0), tenant
 
     def cap_room(
         self,
@@ -568,9 +590,10 @@ class BlockStore:
             counts[1] += count - fits
         return fits
 
-    def _move_slab(self, block_bytes: int) -> bool:
-        """Evicts every block of the emptiest movable slab of another size; False if there is none."""
-        slab = self.allocator.reclaimable_slab(block_bytes)
+    def _move_slab(self, block_bytes: int, part: int = 0) -> bool:
+        """Evicts every block of the emptiest movable slab of another size (in ``part``); False if there
+        is none."""
+        slab = self.allocator.reclaimable_slab(block_bytes, part)
         if slab is None:
             return False
         for slot in self.allocator.used_offsets(slab):
@@ -609,7 +632,7 @@ class BlockStore:
         size share one allocation (chains are single-namespace, so they do)."""
         block_bytes = entries[0].length
         fits = self.cap_room(entries[0].key[0], block_bytes, len(entries), keep)
-        slots = self._allocate_slots(block_bytes, fits, None, keep=keep)
+        slots = self._allocate_slots(block_bytes, fits, None, keep=keep, ns_index=entries[0].key[0])
         for entry, slot in zip(entries, slots, strict=False):
             self.index.attach_slot(entry, slot, Tier.SSD)
             entry.held = True  # the allocation held its slab
@@ -712,7 +735,7 @@ class BlockStore:
         if not wanted:
             return []
         fits = self.cap_room(ns_index, block_bytes, len(wanted))
-        slots = self._allocate_slots(block_bytes, fits, None)
+        slots = self._allocate_slots(block_bytes, fits, None, ns_index=ns_index)
         entries = []
         for block_hash, slot in zip(wanted, slots, strict=False):
             entry = self.index.add_fetching((ns_index, block_hash), block_bytes, slot)

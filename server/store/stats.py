@@ -128,6 +128,7 @@ class TenantStats:
     dram_cap_bytes: int = 0
     cap_evictions: int = 0  # its own blocks evicted to make room under its cap
     cap_refused_blocks: int = 0  # new blocks (saves, promotions, fetches) that did not fit its cap
+    own_region: bool = False  # its blocks live in memory of its own (region=SIZE); the cap is its size
 
 
 @dataclasses.dataclass

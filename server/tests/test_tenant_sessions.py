@@ -5,6 +5,9 @@ token are refused; GetStats and /metrics split the use per tenant."""
 
 from __future__ import annotations
 
+import contextlib
+import mmap
+import os
 import urllib.request
 
 import numpy as np
@@ -100,14 +103,25 @@ def save_rows(c: PegaClient, inst, chain: list[bytes], value: int) -> int:
     return len(granted)
 
 
-def test_a_tenant_at_its_dram_cap_evicts_its_own_blocks_not_the_others(tmp_path):
-    """A 16 MiB pool (256 blocks), team-a capped at 1 MiB (16 blocks): team-a saves 8x its cap in
-    saves of 8 blocks while team-b's 200 blocks, the least recently used of the pool, stay whole."""
+@contextlib.contextmanager
+def two_tenants(tmp_path, a_options: str):
+    """A 16 MiB server with team-a (``a_options``) and team-b, and a client of each."""
     tenants = tmp_path / "tenants"
-    tenants.write_text(f"team-a {TOKEN_A} pool=1mb\nteam-b {TOKEN_B}\n")
+    tenants.write_text(f"team-a {TOKEN_A} {a_options}\nteam-b {TOKEN_B}\n")
     tenants.chmod(0o600)
     with ServerProcess(tmp_path / "srv", pool_size="16mb", extra_args=["--tenant-file", str(tenants)]) as srv:
         a, b = client(srv.addr, TOKEN_A), client(srv.addr, TOKEN_B)
+        try:
+            yield srv, a, b
+        finally:
+            a.close()
+            b.close()
+
+
+def test_a_tenant_at_its_dram_cap_evicts_its_own_blocks_not_the_others(tmp_path):
+    """A 16 MiB pool (256 blocks), team-a capped at 1 MiB (16 blocks): team-a saves 8x its cap in
+    saves of 8 blocks while team-b's 200 blocks, the least recently used of the pool, stay whole."""
+    with two_tenants(tmp_path, "pool=1mb") as (srv, a, b):
         ia, ib = a.register_instance(LAYOUT), b.register_instance(LAYOUT)
         b_chain = [f"b-{i}".encode() for i in range(200)]
         for start in range(0, 200, 50):
@@ -128,5 +142,46 @@ def test_a_tenant_at_its_dram_cap_evicts_its_own_blocks_not_the_others(tmp_path)
             text = r.read().decode()
         assert 'pegaflow_tenant_dram_cap_bytes{tenant="team-a"} 1.048576e+06' in text
         assert f'pegaflow_tenant_cap_evictions_total{{tenant="team-a"}} {128 - 16:.1f}' in text
-        a.close()
-        b.close()
+
+
+def test_a_region_tenant_maps_only_its_region_and_its_scribbles_reach_no_one_else(tmp_path):
+    """team-a has 4 MiB of its own (64 blocks) beside a 16 MiB pool: its client is handed that memfd
+    alone, so overwriting everything it maps damages nothing of team-b's, and team-a churns its
+    own region while team-b keeps the whole pool."""
+    with two_tenants(tmp_path, "region=4mb") as (srv, a, b):
+        ia, ib = a.register_instance(LAYOUT), b.register_instance(LAYOUT)
+        assert a.pool_view().nbytes == 4 << 20 and b.pool_view().nbytes == 16 << 20
+        b_chain = [f"b-{i}".encode() for i in range(256)]
+        for start in range(0, 256, 64):  # the whole pool: nothing of it is team-a's
+            assert save_rows(b, ib, b_chain[: start + 64], 2) == 64
+        for n in range(8):  # 4x its region, 32 blocks a save: each past the region evicts its own
+            assert save_rows(a, ia, [f"a{n}-{i}".encode() for i in range(32)], 10 + n) == 32
+        newest = a.query_prefix(ia, [f"a7-{i}".encode() for i in range(32)], lease=True)
+        out = np.empty((newest.num_hits, LAYOUT.block_bytes), dtype=np.uint8)
+        read_blocks(a.pool_view(newest.epoch), newest.locations, out)
+        a.release(newest.lease_id, loaded_bytes=out.nbytes)
+        assert newest.num_hits == 32 and bool((out == 17).all())
+        # A reader of team-a (kv_consumer) is handed its region read-only, and reads the same bytes.
+        with PegaClient(srv.addr, timeout_s=10, auth=ClientAuth(token=TOKEN_A), read_only=True) as reader:
+            fd = reader._conn.pool._fd
+            assert os.fstat(fd).st_size == 4 << 20
+            with pytest.raises(PermissionError):
+                mmap.mmap(fd, 4096, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            inst = reader.register_instance(LAYOUT)
+            got = reader.query_prefix(inst, [f"a7-{i}".encode() for i in range(32)], lease=True)
+            read_blocks(reader.pool_view(got.epoch), got.locations, out)
+            reader.release(got.lease_id)
+            assert got.num_hits == 32 and bool((out == 17).all())
+        assert a.query_prefix(ia, [f"a0-{i}".encode() for i in range(32)]).num_hits == 0
+        a.pool_view()[:] = 0xFF  # the worst team-a can do with everything it can reach
+        assert b.query_prefix(ib, b_chain).num_hits == 256
+        for start in range(0, 256, 64):
+            got = b.query_prefix(ib, b_chain[start : start + 64], lease=True)
+            out = np.empty((got.num_hits, LAYOUT.block_bytes), dtype=np.uint8)
+            read_blocks(b.pool_view(got.epoch), got.locations, out)
+            b.release(got.lease_id, loaded_bytes=out.nbytes)
+            assert got.num_hits == 64 and bool((out == 2).all())
+        rows = {t.name: t for t in a.stats().tenants}
+        assert rows["team-a"].own_region and not rows["team-b"].own_region
+        assert (rows["team-a"].dram_bytes, rows["team-a"].resident_blocks) == (4 << 20, 64)
+        assert rows["team-b"].resident_blocks == 256

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 from pegaflow.common.auth import AuthConfigError
@@ -15,7 +16,7 @@ from pegaflow.common.wire.types import AllocStatus
 from pegaflow.server.clients.tenants import Tenant, TenantTable
 from pegaflow.server.config import MIB, ServerConfig
 from pegaflow.server.engine import KVEngine
-from pegaflow.server.errors import ResourceExhausted
+from pegaflow.server.errors import FailedPrecondition, PoolCapacityError, ResourceExhausted
 from pegaflow.server.store.namespace import KvLayout
 
 BLOCK = 64 * 1024
@@ -39,14 +40,16 @@ def hashes(n: int, tag: str = "h") -> list[bytes]:
 
 def test_the_tenant_file_is_parsed_with_limits():
     table = TenantTable.from_text(
-        f"# comment\nteam-a {TOKEN_A} leased=1mb unsealed=512kb pool=2mb # trailing\n\nteam_b.2 {TOKEN_B}\n",
+        f"# comment\nteam-a {TOKEN_A} leased=1mb unsealed=512kb pool=2mb # trailing\n\nteam_b.2 {TOKEN_B}\n"
+        f"own {'c' * 32} region=8mb\n",
         "t",
     )
     a, b = table.by_name["team-a"], table.by_name["team_b.2"]
     assert (a.leased_bytes, a.unsealed_bytes, a.pool_bytes) == (1 << 20, 512 << 10, 2 << 20)
     assert (b.leased_bytes, b.unsealed_bytes, b.pool_bytes) == (None, None, None)
     assert table.pool_caps() == {"team-a": 2 << 20}
-    assert set(table.tokens()) == {TOKEN_A, TOKEN_B}
+    assert table.regions() == {"own": 8 << 20} and table.by_name["own"].pool_bytes is None
+    assert set(table.tokens()) == {TOKEN_A, TOKEN_B, "c" * 32}
     assert TOKEN_A not in repr(a)  # a secret is never printed
 
 
@@ -62,6 +65,8 @@ def test_the_tenant_file_is_parsed_with_limits():
         (f"team {TOKEN_A} leased=lots", "leased"),
         (f"team {TOKEN_A}\nteam {TOKEN_B}", "named twice"),
         (f"one {TOKEN_A}\ntwo {TOKEN_A}", "share a token"),
+        (f"team {TOKEN_A} pool=1gb region=1gb", "one of them"),
+        (f"team {TOKEN_A} region=0b", "greater than zero"),
     ],
 )
 def test_a_bad_tenant_file_refuses_the_start_with_the_line(text, why):
@@ -185,10 +190,15 @@ POOL_BLOCKS = 256  # the fixture's 16 MiB pool in 64 KiB blocks
 CAP_BLOCKS = 32
 
 
+def small_engine(**tenants) -> KVEngine:
+    """A 16 MiB pool of 4 MiB slabs, no reaper; ``tenants``: KVEngine's tenant_caps / tenant_regions."""
+    cfg = ServerConfig(pool_size_bytes=16 * MIB, http_addr=None, slab_bytes=4 * MIB, reaper_interval_s=3600)
+    return KVEngine(cfg, **tenants)
+
+
 @pytest.fixture
 def capped():
-    cfg = ServerConfig(pool_size_bytes=16 * MIB, http_addr=None, slab_bytes=4 * MIB, reaper_interval_s=3600)
-    eng = KVEngine(cfg, tenant_caps={"a": CAP_BLOCKS * BLOCK})
+    eng = small_engine(tenant_caps={"a": CAP_BLOCKS * BLOCK})
     yield eng
     eng.close()
 
@@ -235,3 +245,69 @@ def test_what_does_not_fit_under_the_cap_is_refused_as_a_quota(capped):
     assert save(capped, sa, ia, hashes(CAP_BLOCKS, "w")).count(AllocStatus.GRANTED) == CAP_BLOCKS - 8
     row = tenant_row(capped, "a")
     assert row.cap_refused_blocks == 8 + 4 + 8 and row.quota_refusals == 3
+
+
+# ------------------------------------------------------ memory of its own (region=SIZE)
+
+REGION_BLOCKS = 64  # a 4 MiB region in 64 KiB blocks
+
+
+@pytest.fixture
+def regioned():
+    eng = small_engine(tenant_regions={"r": REGION_BLOCKS * BLOCK})
+    yield eng
+    eng.close()
+
+
+def test_a_region_tenants_blocks_live_only_in_its_region_and_it_evicts_only_its_own(regioned):
+    r = Tenant("r", TOKEN_A, region_bytes=REGION_BLOCKS * BLOCK)
+    sr, ir = open_for(regioned, r)
+    sb, ib = open_for(regioned, Tenant("b", TOKEN_B))
+    part = regioned.region.part("r")
+    assert (part.base, part.size_bytes) == (16 * MIB, 4 * MIB)
+    # Its session is handed its region (the broker passes that memfd): its size, its name.
+    assert regioned.open_session("t", tenant=r).pool_size_bytes == 4 * MIB
+    header = regioned.attach_session(sr)
+    assert (header["size_bytes"], header["part"]) == (4 * MIB, "r")
+    assert (regioned.attach_session(sb)["size_bytes"], regioned.attach_session(sb)["part"]) == (16 * MIB, "")
+    # b fills the whole shared pool: r's region is not the pool, so b gets all 256 blocks of it.
+    pool_chain = hashes(POOL_BLOCKS, "b")
+    for i in range(0, POOL_BLOCKS, 64):
+        assert save(regioned, sb, ib, pool_chain[i : i + 64]) == [AllocStatus.GRANTED] * 64
+    # r saves four times its region: every save past it evicts r's own oldest, never b's.
+    for n in range(8):
+        res = regioned.allocate_blocks(sr, ir, hashes(32, f"r{n}"))
+        assert res.statuses == [AllocStatus.GRANTED] * 32
+        # Offsets are its region's own (what its mapping of the region's memfd addresses) ...
+        assert all(0 <= o < part.size_bytes for o in res.offsets)
+        buf = np.frombuffer(regioned.region.buffer, dtype=np.uint8)
+        for i, o in enumerate(res.offsets):  # ... and the server's bytes are at base + offset
+            buf[part.base + o : part.base + o + BLOCK] = n * 32 + i & 0xFF
+        regioned.seal_blocks(sr, res.save_id)
+    assert regioned.query_prefix(sb, ib, pool_chain).num_hits == POOL_BLOCKS
+    newest = regioned.query_prefix(sr, ir, hashes(32, "r7"))
+    assert newest.num_hits == 32 and regioned.query_prefix(sr, ir, hashes(32, "r0")).num_hits == 0
+    for i, o in enumerate(newest.offsets):
+        assert (buf[part.base + o : part.base + o + BLOCK] == (7 * 32 + i & 0xFF)).all()
+    row, b_row = tenant_row(regioned, "r"), tenant_row(regioned, "b")
+    assert row.own_region and not b_row.own_region
+    assert (row.dram_bytes, row.dram_cap_bytes) == (4 * MIB, 4 * MIB)
+    assert row.resident_blocks == REGION_BLOCKS and b_row.resident_blocks == POOL_BLOCKS
+
+
+def test_a_session_without_the_tenant_works_in_the_pool_and_the_server_in_the_whole_region(regioned):
+    s, i = open_for(regioned, None)
+    res = regioned.allocate_blocks(s, i, hashes(8))
+    assert all(o < 16 * MIB for o in res.offsets)
+    assert regioned.attach_session(s)["part"] == ""
+    # A tenant named region= in a file the engine was not started with has no memory to be given.
+    stray = Tenant("stray", TOKEN_B, region_bytes=MIB)
+    with pytest.raises(FailedPrecondition, match="no region"):
+        regioned.open_session("t", tenant=stray)
+    assert len(regioned._registry.sessions) == 1  # refused before anything was opened
+
+
+def test_regions_need_the_default_pool_backing(tmp_path):
+    cfg = ServerConfig(pool_size_bytes=16 * MIB, http_addr=None, pool_dir=str(tmp_path))
+    with pytest.raises(PoolCapacityError, match="--pool-dir"):
+        KVEngine(cfg, tenant_regions={"r": MIB})

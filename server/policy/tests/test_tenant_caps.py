@@ -55,3 +55,27 @@ def test_w_tinylfu_inside_keeps_its_own_attributes():
 def test_a_negative_cap_is_refused():
     with pytest.raises(ValueError, match="negative"):
         TenantCappedPolicy(LRUPolicy(), {"a": -1}, tenant_of)
+
+
+def test_an_isolated_tenants_keys_never_reach_the_inner_policy():
+    """A tenant with a region of its own: evicting its blocks frees nothing in the shared pool, so the
+    inner policy never sees them (the shared pool's victims are never its keys), and its own share is
+    its whole eviction order."""
+    inner = LRUPolicy()
+    policy = TenantCappedPolicy(inner, {"a": 300}, tenant_of, isolated={"r": 1000})
+    for key in [("r", 1), ("b", 1), ("r", 2), ("a", 1)]:
+        policy.on_insert(key, 100)
+    policy.on_access(("r", 1))
+    assert len(inner) == 2 and ("r", 1) not in inner and ("r", 1) in policy and len(policy) == 4
+    assert policy.next_victim(never) == ("b", 1)
+    assert policy.next_victim(lambda k: k == ("b", 1)) == ("a", 1)  # never an isolated key
+    assert policy.next_victim_of("r", never) == ("r", 2)  # r's own recency: 2, then 1
+    assert policy.cap_of("r") is None and policy.cap_of("a") == 300 and policy.is_isolated("r")
+    assert policy.shares() == {"a": (100, 300), "r": (200, 1000)}
+    policy.on_remove(("r", 2))
+    assert policy.resident_bytes_of("r") == 100 and len(policy) == 3 and ("r", 2) not in policy
+
+
+def test_a_tenant_cannot_have_a_cap_and_a_region():
+    with pytest.raises(ValueError, match="either"):
+        TenantCappedPolicy(LRUPolicy(), {"a": 1}, tenant_of, isolated={"a": 2})

@@ -307,3 +307,46 @@ def test_only_queries_served_wholly_from_dram_make_the_disk_yield(ssd):
         assert noted.ready_hits == 2
     finally:
         eng.close()
+
+
+def test_a_region_tenants_blocks_spill_and_promote_back_into_its_region(ssd):
+    """A tenant with memory of its own (region=SIZE): its evicted blocks go to the lower tier like any,
+    and a hit promotes them into its region again (offsets relative to it), not into the pool."""
+    cfg = ServerConfig(
+        pool_size_bytes=POOL,
+        http_addr=None,
+        slab_bytes=4 * MIB,
+        reaper_interval_s=3600,
+        ssd_write_policy="on-seal",
+    )
+    eng = KVEngine(cfg, ssd=ssd, tenant_regions={"r": 4 * MIB})  # 16 blocks of its own
+    try:
+        part = eng.region.part("r")
+        sid = eng.open_session("t", tenant=Tenant("r", "r" * 32, region_bytes=4 * MIB)).session_id
+        iid = eng.register_instance(sid, layout()).instance_id
+        view = eng.pool_view()
+
+        def save_in_region(hs: list[bytes]) -> None:
+            res = eng.allocate_blocks(sid, iid, hs)
+            for h, off in zip(hs, res.offsets, strict=True):
+                assert 0 <= off < part.size_bytes
+                view[part.base + off : part.base + off + BLOCK] = pattern(h)
+            eng.seal_blocks(sid, res.save_id)
+
+        chain = hashes(6, "keep")
+        save_in_region(chain)
+        settle(eng, ssd)
+        for i in range(0, 16, 8):  # fill its region: the chain leaves DRAM, kept on the SSD
+            save_in_region(hashes(8, f"other{i}"))
+        settle(eng, ssd)
+        first = eng.query_prefix(sid, iid, chain, lease=True)
+        assert first.num_hits == 0 and first.pending == 6
+        loaded = eng.load_blocks(sid, iid, first.lease_id)
+        assert loaded.num_hits == 6
+        for h, off in zip(chain, loaded.offsets, strict=True):
+            assert 0 <= off < part.size_bytes
+            assert np.array_equal(view[part.base + off : part.base + off + BLOCK], pattern(h))
+        eng.release_lease(sid, first.lease_id)
+        assert eng.allocator.available(BLOCK) == POOL // BLOCK  # the shared pool holds none of it
+    finally:
+        eng.close()

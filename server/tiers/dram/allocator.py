@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+from collections.abc import Sequence
 
 from pegaflow.server.config import MIB
 
@@ -48,10 +49,11 @@ def slot_stride(block_bytes: int, align: int = SLOT_ALIGN) -> int:
 
 
 class _Slab:
-    __slots__ = ("index", "base", "block_bytes", "stride", "nslots", "free", "used", "holds")
+    __slots__ = ("index", "part", "base", "block_bytes", "stride", "nslots", "free", "used", "holds")
 
-    def __init__(self, index: int, base: int, block_bytes: int, stride: int, nslots: int):
+    def __init__(self, index: int, part: int, base: int, block_bytes: int, stride: int, nslots: int):
         self.index = index
+        self.part = part
         self.base = base
         self.block_bytes = block_bytes
         self.stride = stride
@@ -100,7 +102,17 @@ class AllocatorStats:
 
 
 class SlabAllocator:
-    def __init__(self, capacity_bytes: int, slab_bytes: int | None = None, slot_align: int = SLOT_ALIGN):
+    """``part_slabs``: with tenant regions (tiers/dram/region.py), how many slabs each part after the
+    first (the shared pool, which takes the rest) holds, in order. A slab belongs to one part for
+    good: a part's blocks get only its slabs, so a tenant's region holds only its blocks."""
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        slab_bytes: int | None = None,
+        slot_align: int = SLOT_ALIGN,
+        part_slabs: Sequence[int] = (),
+    ):
         slab_bytes = slab_bytes or default_slab_bytes(capacity_bytes)
         if slot_align <= 0 or slot_align & (slot_align - 1):
             raise ValueError(f"slot_align must be a power of two, got {slot_align}")
@@ -113,10 +125,19 @@ class SlabAllocator:
         self.slab_bytes = slab_bytes
         self.total_slabs = capacity_bytes // slab_bytes
         self._slabs: list[_Slab | None] = [None] * self.total_slabs
-        # A min-heap: free slabs are handed out lowest address first, so a batch that needs several
-        # gets adjacent ones when there are, and its blocks form one run (one long copy for a client).
-        self._free_slabs = list(range(self.total_slabs))
-        self._classes: dict[int, _SizeClass] = {}
+        shared = self.total_slabs - sum(part_slabs)
+        if shared < 1 or any(n < 1 for n in part_slabs):
+            raise ValueError(
+                f"{self.total_slabs} slabs cannot hold parts of {list(part_slabs)} slabs and a pool"
+            )
+        bounds = [0, shared]
+        for n in part_slabs:
+            bounds.append(bounds[-1] + n)
+        self._part_of_slab = [p for p in range(len(bounds) - 1) for _ in range(bounds[p], bounds[p + 1])]
+        # Per part, a min-heap: free slabs are handed out lowest address first, so a batch that needs
+        # several gets adjacent ones when there are, and its blocks form one run (one long copy).
+        self._free_by_part = [list(range(bounds[p], bounds[p + 1])) for p in range(len(bounds) - 1)]
+        self._classes: dict[tuple[int, int], _SizeClass] = {}  # (part, block bytes) -> its slabs
         self.used_bytes = 0
         self.slab_moves = 0  # slabs reassigned from one size to another
 
@@ -126,35 +147,39 @@ class SlabAllocator:
 
     @property
     def free_slabs(self) -> int:
-        return len(self._free_slabs)
+        return sum(map(len, self._free_by_part))
+
+    @property
+    def parts(self) -> int:
+        return len(self._free_by_part)
+
+    def part_of(self, offset: int) -> int:
+        """The part (0: the shared pool) whose slab holds ``offset``."""
+        return self._part_of_slab[offset // self.slab_bytes]
 
     def fits(self, block_bytes: int) -> bool:
         return 0 < block_bytes <= self.slab_bytes
 
-    def allocate(self, block_bytes: int, hold: bool = False) -> int | None:
+    def allocate(self, block_bytes: int, hold: bool = False, part: int = 0) -> int | None:
         """Offset of a fresh slot for a block of this size, or None when neither a slot nor a slab is free.
 
         With ``hold`` the slot is also held (see ``hold``), in the same step.
         """
-        got = self.allocate_many(block_bytes, 1, hold)
+        got = self.allocate_many(block_bytes, 1, hold, part)
         return got[0] if got else None
 
-    def allocate_many(self, block_bytes: int, count: int, hold: bool = False) -> list[int]:
-        """Up to ``count`` fresh slots (fewer when free slots and slabs run out), ascending per slab."""
-        cls = self._classes.get(block_bytes)
-        if cls is None:
-            if not self.fits(block_bytes):
-                raise ValueError(f"block of {block_bytes} bytes exceeds the slab size {self.slab_bytes}")
-            cls = self._classes[block_bytes] = _SizeClass(
-                block_bytes, slot_stride(block_bytes, self.slot_align)
-            )
+    def allocate_many(self, block_bytes: int, count: int, hold: bool = False, part: int = 0) -> list[int]:
+        """Up to ``count`` fresh slots of ``part`` (fewer when its free slots and slabs run out),
+        ascending per slab."""
+        cls = self._class(part, block_bytes)
+        free_slabs = self._free_by_part[part]
         out: list[int] = []
         while len(out) < count:
             slab = self._partial_slab(cls)
             if slab is None:
-                if not self._free_slabs:
+                if not free_slabs:
                     break
-                slab = self._assign_slab(cls, heapq.heappop(self._free_slabs))
+                slab = self._assign_slab(cls, heapq.heappop(free_slabs))
             take = min(count - len(out), len(slab.free))
             taken = slab.free[-take:]
             del slab.free[-take:]
@@ -171,18 +196,19 @@ class SlabAllocator:
         self.used_bytes += len(out) * block_bytes
         return out
 
-    def available(self, block_bytes: int) -> int:
-        """Slots a block of this size could get without evicting: its free slots plus the free slabs."""
-        cls = self._classes.get(block_bytes)
+    def available(self, block_bytes: int, part: int = 0) -> int:
+        """Slots a block of this size could get in ``part`` without evicting: its free slots plus the
+        part's free slabs."""
+        cls = self._classes.get((part, block_bytes))
         free_in_class = cls.free_slots if cls is not None else 0
-        return free_in_class + len(self._free_slabs) * (
+        return free_in_class + len(self._free_by_part[part]) * (
             self.slab_bytes // slot_stride(block_bytes, self.slot_align)
         )
 
     def free(self, offset: int) -> None:
-        """Returns a slot. An emptied slab goes back to the free list, available to any size."""
+        """Returns a slot. An emptied slab goes back to its part's free list, available to any size."""
         slab = self._slab_at(offset)
-        cls = self._classes[slab.block_bytes]
+        cls = self._classes[(slab.part, slab.block_bytes)]
         if not slab.free:
             self._mark_partial(cls, slab.index)
         slab.free.append(offset)
@@ -208,15 +234,12 @@ class SlabAllocator:
             if not self.fits(block_bytes) or not 0 <= offset < self.total_slabs * self.slab_bytes:
                 refused.append((offset, block_bytes))
                 continue
-            cls = self._classes.get(block_bytes)
-            if cls is None:
-                cls = self._classes[block_bytes] = _SizeClass(
-                    block_bytes, slot_stride(block_bytes, self.slot_align)
-                )
             index = offset // self.slab_bytes
+            part = self._part_of_slab[index]
+            cls = self._class(part, block_bytes)
             slab = self._slabs[index]
             if slab is None:
-                self._free_slabs.remove(index)
+                self._free_by_part[part].remove(index)
                 slab = self._assign_slab(cls, index)
             rel = offset - slab.base
             if slab.block_bytes != block_bytes or rel % slab.stride or rel // slab.stride >= slab.nslots:
@@ -227,10 +250,11 @@ class SlabAllocator:
                 refused.append((offset, block_bytes))
                 continue
             mine.add(offset)
-        heapq.heapify(self._free_slabs)
+        for free_slabs in self._free_by_part:
+            heapq.heapify(free_slabs)
         for index, offsets in taken.items():
             slab = self._slabs[index]
-            cls = self._classes[slab.block_bytes]
+            cls = self._classes[(slab.part, slab.block_bytes)]
             slab.free = [o for o in slab.free if o not in offsets]
             slab.used = len(offsets)
             cls.used += len(offsets)
@@ -241,7 +265,7 @@ class SlabAllocator:
         for index in range(self.total_slabs):  # slabs assigned above but left empty go back
             slab = self._slabs[index]
             if slab is not None and slab.used == 0:
-                self._release_slab(self._classes[slab.block_bytes], slab)
+                self._release_slab(self._classes[(slab.part, slab.block_bytes)], slab)
         return refused
 
     def hold(self, offset: int) -> None:
@@ -260,15 +284,16 @@ class SlabAllocator:
         for offset in offsets:
             slabs[offset // size].holds -= 1
 
-    def reclaimable_slab(self, for_block_bytes: int) -> int | None:
-        """A slab of another size whose blocks may all be evicted (no holds), the emptiest first.
+    def reclaimable_slab(self, for_block_bytes: int, part: int = 0) -> int | None:
+        """A slab of ``part`` of another size whose blocks may all be evicted (no holds), the emptiest
+        first.
 
         The engine evicts the blocks at ``used_offsets(slab)``; the last free()
         returns the slab to the free list and the next allocate() takes it.
         """
         best: _Slab | None = None
         for slab in self._slabs:
-            if slab is None or slab.holds or slab.block_bytes == for_block_bytes:
+            if slab is None or slab.holds or slab.block_bytes == for_block_bytes or slab.part != part:
                 continue
             if best is None or slab.used < best.used:
                 best = slab
@@ -289,7 +314,7 @@ class SlabAllocator:
         self.slab_moves += 1
 
     def stats(self) -> AllocatorStats:
-        classes = []
+        by_size: dict[int, list[int]] = {}  # block bytes -> [slabs, used, free slots, tail bytes], all parts
         stranded = 0
         for cls in self._classes.values():
             nslabs = len(cls.slabs)
@@ -297,13 +322,16 @@ class SlabAllocator:
                 continue
             free_slots = sum(len(self._slabs[i].free) for i in cls.slabs)
             tail = self.slab_bytes - (self.slab_bytes // cls.stride) * cls.stride
-            classes.append(SizeClassStats(cls.block_bytes, nslabs, cls.used, free_slots, tail * nslabs))
+            row = by_size.setdefault(cls.block_bytes, [0, 0, 0, 0])
+            for i, value in enumerate((nslabs, cls.used, free_slots, tail * nslabs)):
+                row[i] += value
             stranded += nslabs * self.slab_bytes - cls.used * cls.block_bytes
+        classes = [SizeClassStats(size, *row) for size, row in by_size.items()]
         return AllocatorStats(
             capacity_bytes=self.capacity_bytes,
             slab_bytes=self.slab_bytes,
             total_slabs=self.total_slabs,
-            free_slabs=len(self._free_slabs),
+            free_slabs=self.free_slabs,
             used_bytes=self.used_bytes,
             stranded_bytes=stranded,
             unusable_bytes=self.capacity_bytes - self.total_slabs * self.slab_bytes,
@@ -318,6 +346,16 @@ class SlabAllocator:
             raise ValueError(f"offset {offset} is not an allocated slot")
         return slab
 
+    def _class(self, part: int, block_bytes: int) -> _SizeClass:
+        cls = self._classes.get((part, block_bytes))
+        if cls is None:
+            if not self.fits(block_bytes):
+                raise ValueError(f"block of {block_bytes} bytes exceeds the slab size {self.slab_bytes}")
+            cls = self._classes[(part, block_bytes)] = _SizeClass(
+                block_bytes, slot_stride(block_bytes, self.slot_align)
+            )
+        return cls
+
     def _partial_slab(self, cls: _SizeClass) -> _Slab | None:
         heap = cls.partial_heap
         while heap:
@@ -330,7 +368,9 @@ class SlabAllocator:
 
     def _assign_slab(self, cls: _SizeClass, index: int) -> _Slab:
         nslots = self.slab_bytes // cls.stride
-        slab = _Slab(index, index * self.slab_bytes, cls.block_bytes, cls.stride, nslots)
+        slab = _Slab(
+            index, self._part_of_slab[index], index * self.slab_bytes, cls.block_bytes, cls.stride, nslots
+        )
         self._slabs[index] = slab
         cls.slabs.add(index)
         cls.free_slots += nslots
@@ -350,4 +390,4 @@ class SlabAllocator:
         self._slabs[slab.index] = None
         cls.slabs.discard(slab.index)
         cls.partial.discard(slab.index)
-        heapq.heappush(self._free_slabs, slab.index)
+        heapq.heappush(self._free_by_part[slab.part], slab.index)

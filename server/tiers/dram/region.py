@@ -22,12 +22,15 @@ server's user and group) is trusted with the pool's size.
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import fcntl
 import logging
 import mmap
 import os
 import pathlib
 import time
+from collections.abc import Sequence
 
 from pegaflow.server.config import MIB, format_size
 from pegaflow.server.errors import PoolCapacityError
@@ -186,8 +189,69 @@ def _open_unlinked(pool_dir: str, name: str) -> int:
     raise PoolCapacityError(f"could not create a pool file in {pool_dir}")
 
 
+@dataclasses.dataclass(frozen=True)
+class RegionPart:
+    """One memfd of the region: the shared pool (name "") or a tenant's memory of its own, at
+    ``base`` in the server's one mapping of them all. A client is handed one part's fd and maps
+    only it; the offsets it is told are then relative to ``base``."""
+
+    name: str
+    base: int
+    size_bytes: int
+    fd: int
+
+
+# mmap(2) flags the mmap module does not name (Linux, the same on x86-64 and arm64).
+_MAP_FIXED = 0x10
+_MAP_NORESERVE = 0x4000
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+
+
+def _map_fixed(address: int, size: int, fd: int) -> None:
+    """Maps ``fd`` shared (and pre-faulted) at exactly ``address``, over what the reservation put there."""
+    got = _libc.mmap(
+        address,
+        size,
+        mmap.PROT_READ | mmap.PROT_WRITE,
+        mmap.MAP_SHARED | _MAP_FIXED | mmap.MAP_POPULATE,
+        fd,
+        0,
+    )
+    if got != address:
+        err = ctypes.get_errno()
+        raise OSError(err, f"could not map a pool part at {address:#x}: {os.strerror(err)}")
+
+
+def _new_memfd(name: str, size_bytes: int, use_hugepages: bool) -> int:
+    flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+    if use_hugepages:
+        flags |= os.MFD_HUGETLB | os.MFD_HUGE_2MB
+    fd = os.memfd_create(name, flags)
+    try:
+        os.ftruncate(fd, size_bytes)
+        os.posix_fallocate(fd, 0, size_bytes)
+    except OSError as exc:
+        os.close(fd)
+        raise PoolCapacityError(
+            f"could not allocate {format_size(size_bytes)} for {name} "
+            f"({'huge pages' if use_hugepages else 'shared memory'}): {exc.strerror}. "
+            "Lower --pool-size or the tenants' region= sizes, or free memory."
+        ) from exc
+    return fd
+
+
 class PoolRegion:
-    """A memfd of ``size_bytes`` mapped into this process, with a numpy-friendly buffer."""
+    """A memfd of ``size_bytes`` mapped into this process, with a numpy-friendly buffer; with tenant
+    regions, several memfds (``parts``) mapped back to back as one buffer."""
 
     def __init__(
         self,
@@ -200,8 +264,10 @@ class PoolRegion:
         persistent_dir: str | None = None,
         reused: bool = False,
         lock_fd: int = -1,
+        parts: Sequence[RegionPart] = (),
+        view_offset: int = 0,
     ):
-        self.fd = fd
+        self.fd = fd  # the shared pool's memfd (parts[0])
         self.size_bytes = size_bytes
         self.hugepages = hugepages
         self.prefault_s = prefault_s
@@ -210,6 +276,90 @@ class PoolRegion:
         self.reused = reused  # it already held a pool of this size: its journal may name blocks
         self._lock_fd = lock_fd
         self._mapping: mmap.mmap | None = mapping
+        self.parts: tuple[RegionPart, ...] = tuple(parts) or (RegionPart("", 0, size_bytes, fd),)
+        self._view_offset = view_offset  # where the parts start in ``mapping`` (huge-page aligned)
+        self._view: memoryview | None = None
+
+    def part(self, name: str) -> RegionPart:
+        """The part named ``name`` ("" is the shared pool); KeyError if there is none."""
+        for part in self.parts:
+            if part.name == name:
+                return part
+        raise KeyError(name)
+
+    def file_at(self, offset: int) -> tuple[int, int]:
+        """(fd, offset in that fd) of a byte of the region: what sendfile(2) needs."""
+        for part in reversed(self.parts):
+            if offset >= part.base:
+                return part.fd, offset - part.base
+        raise ValueError(f"offset {offset} is outside the pool")
+
+    @classmethod
+    def create_with_parts(
+        cls,
+        size_bytes: int,
+        regions: Sequence[tuple[str, int]],
+        align: int,
+        use_hugepages: bool = False,
+    ) -> PoolRegion:
+        """The shared pool and one memfd per tenant region (``(name, bytes)``), each sealed like the pool,
+        mapped back to back in this process so that the server (the block store, the SSD tier, peers,
+        the GPU path) sees one buffer and one offset space. Every part starts on ``align`` (a slab: no
+        slab straddles two memfds): the pool is rounded down to it, each region up."""
+        if align % HUGEPAGE_BYTES:
+            raise ValueError(f"parts must align to a multiple of 2 MiB, not {align}")
+        pool_bytes = size_bytes // align * align
+        if pool_bytes == 0:
+            raise PoolCapacityError(
+                f"--pool-size {format_size(size_bytes)} is smaller than one slab ({format_size(align)}) "
+                "besides tenant regions"
+            )
+        sizes = [("", pool_bytes)] + [(name, -(-n // align) * align) for name, n in regions]
+        total = sum(n for _, n in sizes)
+        check_capacity(total, use_hugepages)
+        # An address range for all parts at once, then each memfd mapped over its share of it. The
+        # reservation is a mmap object, so closing it (munmap of the whole range) and the buffer
+        # export checks stay the mmap module's; NORESERVE: it is never backed itself.
+        reservation = mmap.mmap(
+            -1, total + HUGEPAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+        )
+        start_addr = ctypes.addressof(ctypes.c_char.from_buffer(reservation))
+        view_offset = -start_addr % HUGEPAGE_BYTES  # hugetlb mappings must start on a huge page
+        parts: list[RegionPart] = []
+        start = time.perf_counter()
+        try:
+            base = 0
+            for name, nbytes in sizes:
+                fd = _new_memfd(f"pegaflow-pool-{name}" if name else "pegaflow-pool", nbytes, use_hugepages)
+                parts.append(RegionPart(name, base, nbytes, fd))
+                if not seal_size(fd):
+                    raise RuntimeError("this kernel could not seal the pool memfd against resizing")
+                _map_fixed(start_addr + view_offset + base, nbytes, fd)
+                base += nbytes
+        except BaseException:
+            for part in parts:
+                os.close(part.fd)
+            reservation.close()
+            raise
+        prefault_s = time.perf_counter() - start
+        log.info(
+            "pool: %s of %s and %d tenant region(s) (%s) allocated and pre-faulted in %.2f s",
+            format_size(pool_bytes),
+            "2 MiB huge pages" if use_hugepages else "shared memory",
+            len(regions),
+            ", ".join(f"{p.name} {format_size(p.size_bytes)}" for p in parts[1:]),
+            prefault_s,
+        )
+        return cls(
+            parts[0].fd,
+            total,
+            reservation,
+            use_hugepages,
+            prefault_s,
+            sealed=True,
+            parts=parts,
+            view_offset=view_offset,
+        )
 
     @classmethod
     def create(
@@ -307,13 +457,24 @@ class PoolRegion:
         )
 
     @property
-    def buffer(self) -> mmap.mmap:
+    def buffer(self) -> mmap.mmap | memoryview:
+        """Every part, back to back: offsets into it are the server's block offsets."""
         if self._mapping is None:
             raise ValueError("pool region is closed")
-        return self._mapping
+        if len(self.parts) == 1:
+            return self._mapping
+        if self._view is None:
+            self._view = memoryview(self._mapping)[self._view_offset : self._view_offset + self.size_bytes]
+        return self._view
 
     def close(self) -> None:
         """Unmaps and closes the memfd. Pages are freed once every client has unmapped too."""
+        if self._view is not None:
+            try:
+                self._view.release()
+            except BufferError:
+                pass  # a view of it is still alive: the mapping is left to the GC, as below
+            self._view = None
         if self._mapping is not None:
             try:
                 self._mapping.close()
@@ -322,7 +483,8 @@ class PoolRegion:
                 pass
             self._mapping = None
         if self.fd >= 0:
-            os.close(self.fd)
+            for part in self.parts:
+                os.close(part.fd)
             self.fd = -1
         if self._lock_fd >= 0:
             os.close(self._lock_fd)

@@ -38,8 +38,15 @@ class DramTier(Tier):
         """``io_aligned``: slots start on IO_ALIGN and their stride is a multiple of it (set when a tier
         below DRAM reads and writes slots in place)."""
         self.region = region
+        part_slabs = ()
+        if len(region.parts) > 1:
+            # Tenant regions: the region was cut on slab boundaries (PoolRegion.create_with_parts),
+            # so each part is whole slabs and no slab straddles two memfds.
+            if not slab_bytes or any(p.base % slab_bytes or p.size_bytes % slab_bytes for p in region.parts):
+                raise ValueError("a region with tenant parts needs the slab size it was cut on")
+            part_slabs = [part.size_bytes // slab_bytes for part in region.parts[1:]]
         self.allocator = SlabAllocator(
-            region.size_bytes, slab_bytes, IO_SLOT_ALIGN if io_aligned else SLOT_ALIGN
+            region.size_bytes, slab_bytes, IO_SLOT_ALIGN if io_aligned else SLOT_ALIGN, part_slabs
         )
         self._view = np.frombuffer(region.buffer, dtype=np.uint8)
 

@@ -138,3 +138,41 @@ def test_restore_readopts_slots_and_the_allocator_carries_on_around_them():
     for offset in fresh:
         b.free(offset)
     assert b.used_bytes == 0 and b.free_slabs == b.total_slabs
+
+
+# ------------------------------------------------------- parts (tenant regions, tiers/dram/region.py)
+
+
+def test_a_parts_blocks_get_only_its_slabs_and_its_slabs_only_its_blocks():
+    # 8 slabs of 4 MiB: the pool 0-4, part 1 slabs 5-6, part 2 slab 7.
+    alloc = SlabAllocator(32 * MIB, slab_bytes=4 * MIB, part_slabs=[2, 1])
+    assert alloc.parts == 3 and [alloc.part_of(i * 4 * MIB) for i in range(8)] == [0] * 5 + [1, 1, 2]
+    got = alloc.allocate_many(1 * MIB, 100, part=1)
+    assert len(got) == 8 and all(20 * MIB <= o < 28 * MIB for o in got)  # full at its 2 slabs
+    assert alloc.available(1 * MIB, part=1) == 0 and alloc.allocate(1 * MIB, part=1) is None
+    assert alloc.available(1 * MIB, part=2) == 4 and alloc.available(1 * MIB) == 20  # others untouched
+    pool = alloc.allocate_many(1 * MIB, 100)
+    assert len(pool) == 20 and all(o < 20 * MIB for o in pool)  # the pool never spills into a part
+    alloc.free(got[0])
+    assert alloc.allocate(1 * MIB) is None  # a part's freed slot is not the pool's
+    assert alloc.allocate(1 * MIB, part=1) == got[0]
+
+
+def test_an_emptied_slab_goes_back_to_its_part_and_reclaim_stays_in_the_part():
+    alloc = SlabAllocator(16 * MIB, slab_bytes=4 * MIB, part_slabs=[1])  # pool: slabs 0-2, part 1: slab 3
+    small = alloc.allocate_many(1 * MIB, 4, part=1)
+    assert alloc.reclaimable_slab(2 * MIB, part=1) == 3
+    assert alloc.reclaimable_slab(2 * MIB) is None  # the pool has nothing of another size to give
+    alloc.allocate_many(1 * MIB, 4)
+    assert alloc.reclaimable_slab(2 * MIB) == 0 and alloc.reclaimable_slab(1 * MIB, part=1) is None
+    for offset in small:
+        alloc.free(offset)
+    assert alloc.allocate_many(2 * MIB, 4, part=1) == [12 * MIB, 14 * MIB]  # the slab, now any size
+    stats = alloc.stats()  # one row per block size, every part counted
+    assert {c.block_bytes: c.used_blocks for c in stats.classes} == {1 * MIB: 4, 2 * MIB: 2}
+
+
+@pytest.mark.parametrize("parts", [[4], [3, 1], [0], [2, -1]])
+def test_parts_that_leave_no_pool_or_are_empty_are_refused(parts):
+    with pytest.raises(ValueError, match="cannot hold parts"):
+        SlabAllocator(16 * MIB, slab_bytes=4 * MIB, part_slabs=parts)
