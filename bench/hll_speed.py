@@ -1,13 +1,16 @@
-"""HyperLogLog for the hit-rate ceiling: datasketch against pegaflow's numpy batch sketch, same run.
+"""HyperLogLog for the hit-rate ceiling: datasketch against pegaflow's batch sketch, same run.
 
     .venv/bin/python bench/hll_speed.py [--keys 1000000] [--out bench/results/hll_speed.json]
 
 Keys look like the server's: a 4-byte namespace prefix + a 32-byte block hash.
 For each implementation: µs per key (best of 3 runs) to add 10^6 keys, the distinct-count error,
 and the register bytes. pegaflow's sketch is also timed in the batch sizes the
-server uses (the metrics feeder hands over up to 65,536 keys at a time; a single
-query has up to a few thousand), and through HitRateCeiling with its three
-default windows. A command, not a test: the numbers depend on the machine.
+server uses (the metrics feeder feeds slices of 16 keys, so that it can yield the
+GIL to requests between them; up to 65,536 keys a call when nothing waits), and
+through HitRateCeiling with its three default windows. The key hash is timed
+against the one it replaced (a numpy splitmix fold of the keys laid out as a
+matrix, kept here as ``numpy_fold_hash`` for this same-run comparison only).
+A command, not a test: the numbers depend on the machine.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import datasketch
 import numpy as np
 
 from pegaflow.server.metrics.hll_ceiling import HitRateCeiling
-from pegaflow.server.metrics.hll_sketch import HyperLogLog
+from pegaflow.server.metrics.hll_sketch import HyperLogLog, hash_bytes_keys
 
 PRECISION = 14
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results" / "hll_speed.json"
@@ -38,6 +41,40 @@ def make_keys(n: int, seed: int) -> list[bytes]:
 
 def per_key_us(seconds: float, n: int) -> float:
     return seconds / n * 1e6
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MUL1 = np.uint64(0xBF58476D1CE4E5B9)
+_MUL2 = np.uint64(0x94D049BB133111EB)
+
+
+def numpy_fold_hash(keys: list[bytes]) -> np.ndarray:
+    """The key hash before XXH3 (for keys of one length): the baseline of ``bench_hash``."""
+    lengths = np.fromiter(map(len, keys), dtype=np.uint64, count=len(keys))
+    words = -(-len(keys[0]) // 8)
+    columns = np.array(keys, dtype=f"S{8 * words}").view(np.uint64).reshape(len(keys), words)
+    h = lengths * _GOLDEN ^ np.uint64(0x5EED0F4E6AF10A)
+    for i in range(words):
+        h = (h ^ columns[:, i]) * _MUL1
+        h ^= h >> np.uint64(29)
+    h = (h ^ (h >> np.uint64(30))) * _MUL1
+    h = (h ^ (h >> np.uint64(27))) * _MUL2
+    return h ^ (h >> np.uint64(31))
+
+
+def bench_hash(keys: list[bytes], batch: int) -> dict:
+    """µs per call of the key hash, XXH3 (hash_bytes_keys) against the numpy fold, same keys."""
+    out = {"batch": batch}
+    for name, fn in (("xxh3_us_per_call", hash_bytes_keys), ("numpy_fold_us_per_call", numpy_fold_hash)):
+        elapsed = float("inf")
+        for _ in range(REPEATS):
+            start = time.perf_counter()
+            for i in range(0, len(keys) - batch + 1, batch):
+                fn(keys[i : i + batch])
+            elapsed = min(elapsed, time.perf_counter() - start)
+        out[name] = elapsed / (len(keys) // batch) * 1e6
+    out["speedup"] = out["numpy_fold_us_per_call"] / out["xxh3_us_per_call"]
+    return out
 
 
 # Each timing is the best of REPEATS runs: the machine is shared, the best run is the least disturbed.
@@ -137,8 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         "datasketch_version": datasketch.__version__,
         "datasketch_hll_sha1": bench_datasketch(datasketch.HyperLogLog, keys),
         "datasketch_hllpp_sha1": bench_datasketch(datasketch.HyperLogLogPlusPlus, keys),
-        "numpy_hll": [bench_numpy(keys, batch) for batch in (65_536, 4096, 256)],
-        "hit_rate_ceiling_3_windows": [bench_ceiling(keys, batch) for batch in (65_536, 4096)],
+        "numpy_hll": [bench_numpy(keys, batch) for batch in (65_536, 4096, 256, 16)],
+        "hit_rate_ceiling_3_windows": [bench_ceiling(keys, batch) for batch in (65_536, 4096, 16)],
+        "key_hash": [bench_hash(keys, batch) for batch in (16, 256, 4096)],
         "numpy_hll_error_spread": error_spread(200_000, args.seeds),
     }
     fastest_numpy = min(r["us_per_key"] for r in results["numpy_hll"])

@@ -607,7 +607,7 @@ class KVEngine:
                 raise Closed("engine is closed")
             ready = 0
             for entry in held.entries:
-                if not entry.dram_ready:
+                if not entry.dram_ready or entry.corrupt:  # a corrupt one: a miss from there on
                     break
                 ready += 1
             base = self._part_of_session(session).base

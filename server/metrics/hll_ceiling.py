@@ -26,7 +26,12 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from pegaflow.server.metrics.hll_sketch import HyperLogLog, estimate_registers, hash_bytes_keys
+from pegaflow.server.metrics.hll_sketch import (
+    HyperLogLog,
+    estimate_registers,
+    hash_bytes_keys,
+    register_updates,
+)
 
 BUCKETS_PER_WINDOW = 15
 # Register memory per window (live buckets, one spare kept for reuse, the merge of a read) stays below this.
@@ -61,7 +66,8 @@ class _Window:
     def bucket_index(self, now: float) -> int:
         return math.floor(now / self.bucket_seconds)
 
-    def add(self, now_index: int, registers: np.ndarray, requests: int) -> None:
+    def add(self, now_index: int, updates: tuple[Sequence[int], Sequence[int]], requests: int) -> None:
+        """Folds (register index, rank) ``updates`` (hll_sketch.register_updates) into the newest bucket."""
         self._expire(now_index)
         if not self.ring or self.ring[-1].index < now_index:
             if self._spare is not None:
@@ -72,7 +78,7 @@ class _Window:
             self.ring.append(_Bucket(now_index, fresh))
         # A clock that steps back (it should not: monotonic) lands in the newest bucket.
         bucket = self.ring[-1]
-        np.maximum(bucket.registers, registers, out=bucket.registers)
+        np.maximum.at(bucket.registers, *updates)  # in place, only the registers the keys pick
         bucket.requests += requests
 
     def merged(self, now_index: int) -> tuple[int, np.ndarray | None]:
@@ -131,12 +137,12 @@ class HitRateCeiling:
         """Counts one request per key (N) and folds the keys into the distinct estimate (U)."""
         if len(keys) == 0:
             return
-        registers = HyperLogLog.batch_registers(hash_bytes_keys(keys), self.precision)
+        updates = register_updates(hash_bytes_keys(keys), self.precision)
         requests = len(keys)
         with self._lock:
             now = self._clock()
             for window in self._windows.values():
-                window.add(window.bucket_index(now), registers, requests)
+                window.add(window.bucket_index(now), updates, requests)
 
     def counts(self, window: str) -> tuple[int, float]:
         """(N, U estimate) over the window; U is capped at N (never more distinct keys than requests)."""

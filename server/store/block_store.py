@@ -267,7 +267,7 @@ class BlockStore:
         dropped = 0
         for block_hash in hashes:
             entry = get((ns_index, block_hash))
-            if entry is None or entry.state != SEALED:
+            if entry is None or entry.state != SEALED or entry.corrupt:
                 break
             if entry.dram_ready:
                 if ready == len(entries):
@@ -310,6 +310,8 @@ class BlockStore:
         for entry in entries:
             if self.index.unpin(entry):
                 self._rehold(entry)
+                if entry.corrupt and self.index.get(entry.key) is entry:
+                    self._drop_if_free(entry)  # its last reader let go: now nobody holds it
 
     def missed(self, ns_index: int, hashes: Sequence[bytes]) -> None:
         """A lookup found none of these blocks in any tier (the placement rule may remember them)."""
@@ -379,10 +381,16 @@ class BlockStore:
         self._rehold(entry)
 
     def drop_corrupt(self, entry: BlockEntry) -> bool:
-        """A DRAM copy that failed its checksum: counted, and dropped with its SSD copy (written
-        from the same bytes) so no query finds it again. False while leases or transfers still
-        hold it: it stays until a later report, when nobody holds it."""
-        self.counters.corrupt_blocks += 1
+        """A DRAM copy that failed its checksum: counted once, and dropped with its SSD copy (written
+        from the same bytes) so no query finds it again. While leases or transfers still hold it
+        (False), it is marked: no query, load or peer is served it from now on, and it is dropped
+        when the last of them lets go (``unpin``, ``_rehold_or_drop``)."""
+        if not entry.corrupt:
+            entry.corrupt = True
+            self.counters.corrupt_blocks += 1
+        return self._drop_if_free(entry)
+
+    def _drop_if_free(self, entry: BlockEntry) -> bool:
         if not self._evictable(entry):
             return False
         self._evict_dram(entry)
@@ -402,6 +410,9 @@ class BlockStore:
             if entry.ssd is not None:
                 self._drop_ssd_copy(entry)
         self._rehold(entry)
+        if entry.corrupt and self.index.get(entry.key) is entry:
+            self._drop_if_free(entry)  # marked while this write ran: its copy goes too
+            return
         self._forget_if_gone(entry)
 
     # ============================================================== recovery
@@ -664,7 +675,7 @@ class BlockStore:
         room = self.limits.demote_inflight_bytes - self._demoting_bytes
         max_block = self.ssd.max_block_bytes
         for entry in entries:
-            if entry.ssd is not None or not entry.dram_ready or entry.length > max_block:
+            if entry.ssd is not None or not entry.dram_ready or entry.corrupt or entry.length > max_block:
                 continue
             if entry.length > room:
                 self.counters.demotions_dropped += 1
@@ -779,7 +790,7 @@ class BlockStore:
         out = []
         for block_hash in hashes:
             entry = get((ns_index, block_hash))
-            if entry is None or entry.state != SEALED or not entry.dram_ready:
+            if entry is None or entry.state != SEALED or not entry.dram_ready or entry.corrupt:
                 break
             out.append(entry)
         return out

@@ -42,6 +42,7 @@ class BlockEntry:
         "filling_from",
         "held",
         "checksum",
+        "corrupt",
     )
 
     def __init__(self, key: BlockKey, length: int):
@@ -59,6 +60,9 @@ class BlockEntry:
         self.filling_from: Tier | None = None
         self.held = False  # its DRAM slot's slab is marked immovable (see BlockStore._rehold)
         self.checksum: int | None = None  # XXH3-64 of its bytes, once hashed (movers/block_hasher.py)
+        # Its DRAM copy failed its checksum while leases held it: served to nobody from then on,
+        # dropped when the last of them lets go (BlockStore.drop_corrupt).
+        self.corrupt = False
 
     @property
     def offset(self) -> int:

@@ -120,3 +120,18 @@ def test_bad_precision_is_rejected(precision):
 def test_memory_is_one_byte_per_register():
     assert HyperLogLog(14).memory_bytes == 16384
     assert HyperLogLog(10).memory_bytes == 1024
+
+
+def test_small_and_large_batches_give_the_same_registers():
+    """register_updates computes in Python ints up to 64 keys and in numpy beyond: one answer."""
+    from pegaflow.server.metrics.hll_sketch import register_updates
+
+    hashes = hash_bytes_keys([f"k{i}".encode() for i in range(200)])
+    hashes[0] = 0  # the all-zero rest: the capped rank
+    hashes[1] = np.uint64(1 << 63)
+    for precision in (4, 14, 18):
+        big_index, big_rank = register_updates(hashes, precision)
+        small = [register_updates(hashes[i : i + 50], precision) for i in range(0, 200, 50)]
+        assert [int(i) for i in big_index] == [i for index, _ in small for i in index]
+        assert [int(r) for r in big_rank] == [r for _, rank in small for r in rank]
+        assert int(big_rank[0]) == 65 - precision

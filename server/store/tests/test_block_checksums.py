@@ -9,7 +9,7 @@ import pytest
 
 from pegaflow.common.wire.checksum import checksum
 from pegaflow.server.config import MIB, ServerConfig
-from pegaflow.server.engine import KVEngine
+from pegaflow.server.engine import AllocStatus, KVEngine
 from pegaflow.server.errors import InvalidArgument
 from pegaflow.server.store.namespace import KvLayout
 
@@ -67,13 +67,22 @@ def test_a_report_drops_only_a_block_whose_bytes_really_changed(engine):
     assert engine.stats().corrupt_blocks == 1
 
 
-def test_a_block_other_readers_hold_is_dropped_by_a_later_report(engine):
+def test_a_block_other_readers_hold_is_served_to_nobody_and_dropped_when_they_let_go(engine):
     sid, iid, hs, res, sums = written(engine)
     engine.seal_blocks(sid, res.save_id, checksums=sums)
     engine.pool_view()[res.offsets[0]] ^= 1
-    other = engine.query_prefix(sid, iid, hs, lease=True).lease_id  # another reader holds it
+    other = engine.query_prefix(sid, iid, hs, lease=True).lease_id  # other readers hold it
+    third = engine.query_prefix(sid, iid, hs, lease=True).lease_id
     mine = engine.query_prefix(sid, iid, hs, lease=True).lease_id
     engine.release_lease(sid, mine, corrupt_hashes=[hs[0]])
-    assert engine.stats().corrupt_blocks == 1  # known bad, still pinned by the other lease
-    engine.release_lease(sid, other, corrupt_hashes=[hs[0]])
-    assert engine.query_prefix(sid, iid, hs).num_hits == 0
+    assert engine.stats().corrupt_blocks == 1  # known bad, still pinned by the other leases ...
+    assert engine.query_prefix(sid, iid, hs).num_hits == 0  # ... but no new query is served it
+    assert engine.load_blocks(sid, iid, other).num_hits == 0  # nor the other leases' loads
+    engine.release_lease(sid, other, corrupt_hashes=[hs[0]])  # the same block reported again
+    assert engine.stats().corrupt_blocks == 1  # counted once: a block, not a report
+    assert engine.stats().resident_blocks == 4  # the third lease still holds it
+    engine.release_lease(sid, third)  # no report: the last reader's release drops it
+    assert engine.stats().resident_blocks == 3
+    # Saved again, it is written afresh (not EXISTS against the bad copy) and served.
+    again = engine.allocate_blocks(sid, iid, hs[:1])
+    assert again.statuses == [AllocStatus.GRANTED]

@@ -14,7 +14,7 @@ import pytest
 
 from pegaflow.server.config import MIB
 from pegaflow.server.tiers.dram.region import PoolRegion
-from pegaflow.server.tiers.dram.tests.test_region_seals import assert_size_is_fixed
+from pegaflow.server.tiers.dram.tests.support import assert_size_is_fixed
 
 SLAB = 2 * MIB
 

@@ -4,8 +4,6 @@ client's mapping and the cached blocks are unaffected."""
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import logging
 import os
 
@@ -16,24 +14,10 @@ from pegaflow.client import PegaClient, read_blocks
 from pegaflow.server.config import MIB
 from pegaflow.server.endpoints.tests.support import LAYOUT, save_and_load
 from pegaflow.server.testing import ServerProcess
-from pegaflow.server.tiers.dram.region import SIZE_SEALS, PoolRegion, read_meminfo
+from pegaflow.server.tiers.dram.region import PoolRegion, read_meminfo
+from pegaflow.server.tiers.dram.tests.support import assert_size_is_fixed
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def assert_size_is_fixed(fd: int, size: int) -> None:
-    assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SIZE_SEALS == SIZE_SEALS
-    for new_size in (0, size // 2, size * 2):
-        with pytest.raises(OSError) as err:
-            os.ftruncate(fd, new_size)
-        assert err.value.errno == errno.EPERM
-    with pytest.raises(OSError) as err:
-        os.posix_fallocate(fd, 0, size * 2)  # growing by allocation is refused too
-    assert err.value.errno == errno.EPERM
-    with pytest.raises(OSError) as err:
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)  # and nobody can change the seals
-    assert err.value.errno == errno.EPERM
-    assert os.fstat(fd).st_size == size
 
 
 def test_the_pool_memfd_is_sealed_against_resizing():

@@ -2,8 +2,10 @@
 ``os.preadv`` at a time (CPython releases the GIL for the syscall, so the bytes move without it
 and straight between the caller's buffer and the disk under O_DIRECT).
 
-With a pacer (engines/base.py IoPacer) a thread that took a read waits until the pacer allows
-one more read in flight; writes start at once.
+Reads and writes wait in two queues. A free thread takes the oldest write first, else the oldest
+read if the pacer (engines/base.py IoPacer) allows one more read in flight; a read the pacer holds
+back waits in its queue, not on a thread, so writes never wait behind held reads (they did when
+one queue fed the threads: with every thread holding a paced read, a write waited a whole hold).
 
 Works wherever Python does; it is the fallback when io_uring is unavailable, and the measured
 numbers of both engines are in engines/__init__.py.
@@ -14,8 +16,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import queue
 import threading
+from collections import deque
 from collections.abc import Sequence
 
 from pegaflow.server.tiers.ssd.engines.base import (
@@ -29,8 +31,6 @@ from pegaflow.server.tiers.ssd.engines.base import (
 
 log = logging.getLogger(__name__)
 
-_STOP = None
-
 
 class ThreadEngine(IoEngine):
     name = "threads"
@@ -40,9 +40,10 @@ class ThreadEngine(IoEngine):
             raise ValueError("queue_depth must be >= 1")
         self.queue_depth = queue_depth
         self._pacer = pacer
-        self._queue: queue.SimpleQueue[IoOp | None] = queue.SimpleQueue()
         self._closing = False
-        self._slots = threading.Condition(threading.Lock())  # guards _running, _reads
+        self._slots = threading.Condition(threading.Lock())  # guards everything below
+        self._writes: deque[IoOp] = deque()
+        self._read_queue: deque[IoOp] = deque()
         self._running = 0
         self._reads = 0  # reads in flight: what the pacer limits
         self._threads = [
@@ -57,63 +58,66 @@ class ThreadEngine(IoEngine):
         return self._running
 
     def submit(self, ops: Sequence[IoOp]) -> None:
-        if self._closing:
+        with self._slots:
+            closing = self._closing  # read under the lock: close() cancels what was queued before it
+            if not closing:
+                for op in ops:
+                    (self._writes if op.write else self._read_queue).append(op)
+                self._slots.notify(len(ops))
+        if closing:
             for op in ops:
                 _cancel(op)
-            return
-        for op in ops:
-            self._queue.put(op)
 
     def _work(self) -> None:
         scratch = aligned_buffer(SCRATCH_BYTES)
         while True:
-            op = self._queue.get()
-            if op is _STOP:
+            op = self._next_op()
+            if op is None:
                 return
             read = not op.write
-            self._start_slot(read)
             try:
-                if self._closing:
-                    _cancel(op)
-                else:
-                    _run(op, scratch)
+                _run(op, scratch)
             finally:
                 del op  # the caller's buffers are not held past completion
                 with self._slots:
                     self._running -= 1
                     self._reads -= read
-                    self._slots.notify()
+                    if read and self._read_queue:
+                        self._slots.notify()  # room for one more read under the pacer
 
-    def _start_slot(self, read: bool) -> None:
-        """Counts this thread's op in flight; a read once the pacer allows one more."""
+    def _next_op(self) -> IoOp | None:
+        """The next op this thread runs, counted in flight; None once the engine closes."""
         with self._slots:
-            pacer = self._pacer
-            while read and pacer is not None and not self._closing:
-                limit, recheck_s = pacer.allowed()
-                if self._reads < limit:
-                    break
-                self._slots.wait(min(recheck_s, PACER_MAX_SLEEP_S))
-            self._running += 1
-            self._reads += read
+            while not self._closing:
+                if self._writes:
+                    self._running += 1
+                    return self._writes.popleft()
+                wait_s = None
+                if self._read_queue:
+                    limit, recheck_s = self._pacer.allowed() if self._pacer else (self.queue_depth, 0.0)
+                    if self._reads < limit:
+                        self._running += 1
+                        self._reads += 1
+                        return self._read_queue.popleft()
+                    wait_s = min(recheck_s, PACER_MAX_SLEEP_S)
+                self._slots.wait(wait_s)
+            return None
 
     def close(self) -> None:
         if self._closing:
             return
-        self._closing = True
         with self._slots:
-            self._slots.notify_all()  # threads waiting on the pacer cancel their ops
-        for _ in self._threads:
-            self._queue.put(_STOP)
+            self._closing = True
+            self._slots.notify_all()  # idle threads stop; running ops finish first
         for t in self._threads:
             t.join()
-        # Ops submitted while closing raced the STOP markers: cancel what is left.
-        while True:
-            try:
-                op = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if op is not _STOP:
-                _cancel(op)
+        # What never started is cancelled (submit cancels anything that arrives from now on).
+        with self._slots:
+            left = [*self._writes, *self._read_queue]
+            self._writes.clear()
+            self._read_queue.clear()
+        for op in left:
+            _cancel(op)
 
 
 def _run(op: IoOp, scratch: memoryview) -> None:

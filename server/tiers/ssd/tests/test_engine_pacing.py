@@ -145,3 +145,26 @@ def test_writes_are_not_held_back(kind, tmp_path):
     finally:
         engine.close()
         os.close(fd)
+
+
+@pytest.mark.parametrize("kind", list(engines()))
+def test_writes_do_not_wait_behind_reads_the_pacer_holds(kind, data_file, tmp_path):
+    """More held reads than the engine has slots, then writes: the writes run at once."""
+    path = tmp_path / "out"
+    path.write_bytes(bytes(BLOCK * 8))
+    fd = os.open(path, os.O_RDWR)
+    pacer = Pacer(0)
+    engine = open_paced(kind, 4, pacer, str(tmp_path))
+    reads, writes = Watch(), Watch()
+    reads.want, writes.want = 8, 8
+    try:
+        engine.submit([ReadOp(data_file, i * BLOCK, aligned_buffer(BLOCK), reads) for i in range(8)])
+        time.sleep(0.05)
+        engine.submit([WriteOp(fd, i * BLOCK, aligned_buffer(BLOCK), writes) for i in range(8)])
+        assert writes.all_done.wait(2)
+        assert reads.started == 0  # still held
+        pacer.depth = math.inf
+        assert reads.all_done.wait(10)
+    finally:
+        engine.close()
+        os.close(fd)
