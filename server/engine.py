@@ -227,7 +227,6 @@ class KVEngine:
             limits=StoreLimits(config.promote_inflight_bytes, config.demote_inflight_bytes),
             hasher=self._hasher,
         )
-        self._store.tenant_parts = {p.name: i for i, p in enumerate(self.region.parts) if i}
         self._mover = TierMover(self._transfer_done)
         # Where the namespaces' layouts are kept beside persisted blocks: the SSD tier's records, the
         # persistent pool's journal (none: nothing outlives this process).

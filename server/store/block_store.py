@@ -131,7 +131,7 @@ class BlockStore:
         # new blocks refused at its cap]. Monotonic.
         self.cap_counts: dict[str, list[int]] = {}
         # Tenant -> its region's allocator part (tiers/dram/region.py); tenants not named: the pool (0).
-        self.tenant_parts: dict[str, int] = {}
+        self.tenant_parts: dict[str, int] = {p.name: i for i, p in enumerate(dram.region.parts) if i}
 
     # ============================================================== save path
 
