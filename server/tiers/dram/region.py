@@ -231,11 +231,17 @@ def _map_fixed(address: int, size: int, fd: int) -> None:
         raise OSError(err, f"could not map a pool part at {address:#x}: {os.strerror(err)}")
 
 
-def _new_memfd(name: str, size_bytes: int, use_hugepages: bool) -> int:
+def _memfd(name: str, use_hugepages: bool) -> int:
+    """An empty memfd that can be sealed (hugetlb-backed with ``use_hugepages``)."""
     flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
     if use_hugepages:
         flags |= os.MFD_HUGETLB | os.MFD_HUGE_2MB
-    fd = os.memfd_create(name, flags)
+    return os.memfd_create(name, flags)
+
+
+def _new_memfd(name: str, size_bytes: int, use_hugepages: bool) -> int:
+    """A tenant region's part: a memfd of ``size_bytes``, allocated (PoolCapacityError if it cannot be)."""
+    fd = _memfd(name, use_hugepages)
     try:
         os.ftruncate(fd, size_bytes)
         os.posix_fallocate(fd, 0, size_bytes)
@@ -398,10 +404,7 @@ class PoolRegion:
             fd = _open_unlinked(pool_dir, name)
         else:
             check_capacity(size_bytes, huge_backing)
-            flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
-            if use_hugepages:
-                flags |= os.MFD_HUGETLB | os.MFD_HUGE_2MB
-            fd = os.memfd_create(name, flags)
+            fd = _memfd(name, use_hugepages)
         try:
             if not reused:
                 os.ftruncate(fd, size_bytes)
