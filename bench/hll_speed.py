@@ -10,6 +10,12 @@ GIL to requests between them; up to 65,536 keys a call when nothing waits), and
 through HitRateCeiling with its three default windows. The key hash is timed
 against the one it replaced (a numpy splitmix fold of the keys laid out as a
 matrix, kept here as ``numpy_fold_hash`` for this same-run comparison only).
+
+The metrics feeder's cost per looked-up key at its 16-key slices, same run: HitRateCeiling.add
+(staged: one Python fold into a bytearray, the windows' numpy registers updated every FOLD_S)
+against the path it replaced (``unstaged_ceiling``: register_updates + one ``np.maximum.at`` per
+window and slice, kept here only for this comparison), and MissRatioCurve.add at 16 and 4096
+keys a call (the curve stages its histogram the same way). A plot beside the JSON.
 A command, not a test: the numbers depend on the machine.
 """
 
@@ -26,7 +32,8 @@ import datasketch
 import numpy as np
 
 from pegaflow.server.metrics.hll_ceiling import HitRateCeiling
-from pegaflow.server.metrics.hll_sketch import HyperLogLog, hash_bytes_keys
+from pegaflow.server.metrics.hll_sketch import HyperLogLog, hash_bytes_keys, register_updates
+from pegaflow.server.metrics.miss_ratio_curve import MissRatioCurve
 
 PRECISION = 14
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results" / "hll_speed.json"
@@ -141,6 +148,78 @@ def bench_ceiling(keys: list[bytes], batch: int) -> dict:
     }
 
 
+def bench_unstaged_ceiling(keys: list[bytes], batch: int) -> dict:
+    """The ceiling's add before staging: per call, the updates and one np.maximum.at per window."""
+    elapsed = float("inf")
+    for _ in range(REPEATS):
+        windows = [np.zeros(1 << PRECISION, dtype=np.uint8) for _ in range(3)]
+        start = time.perf_counter()
+        for i in range(0, len(keys), batch):
+            updates = register_updates(hash_bytes_keys(keys[i : i + batch]), PRECISION)
+            for registers in windows:
+                np.maximum.at(registers, *updates)
+        elapsed = min(elapsed, time.perf_counter() - start)
+    return {"batch": batch, "windows": 3, "us_per_key": per_key_us(elapsed, len(keys))}
+
+
+def bench_mrc(keys: list[bytes], batch: int, repeats_of_keys: int = 4) -> dict:
+    """MissRatioCurve.add per key, the server's defaults (R from 1, at most 16384 keys tracked),
+    ``keys`` fed ``repeats_of_keys`` times (reuses, as a cache sees), 3 windows."""
+    stream = keys * repeats_of_keys
+    sizes = [1 << 20] * batch
+    elapsed = float("inf")
+    for _ in range(REPEATS):
+        mrc = MissRatioCurve(1 << 30, {"15m": 900, "1h": 3600, "24h": 86400})
+        start = time.perf_counter()
+        for i in range(0, len(stream) - batch + 1, batch):
+            mrc.add(stream[i : i + batch], sizes)
+        elapsed = min(elapsed, time.perf_counter() - start)
+    return {
+        "batch": batch,
+        "requests": len(stream),
+        "us_per_key": per_key_us(elapsed, len(stream)),
+        "sampling_rate_at_end": mrc.rate,
+        "sampled_requests": mrc.sampled_requests,
+    }
+
+
+def feeder_slices(keys: list[bytes]) -> dict:
+    staged = bench_ceiling(keys, 16)
+    unstaged = bench_unstaged_ceiling(keys, 16)
+    mrc = [bench_mrc(keys[:100_000], batch) for batch in (16, 4096)]
+    return {
+        "ceiling_staged_16": staged["us_per_key"],
+        "ceiling_unstaged_16": unstaged["us_per_key"],
+        "ceiling_speedup": unstaged["us_per_key"] / staged["us_per_key"],
+        "mrc": mrc,
+        "mrc_16_over_4096": mrc[0]["us_per_key"] / mrc[1]["us_per_key"],
+    }
+
+
+def plot(results: dict, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    f = results["feeder_slices"]
+    labels = ["ceiling, unstaged\n(before), 16", "ceiling, staged\n(now), 16", "MRC, 16", "MRC, 4096"]
+    values = [
+        f["ceiling_unstaged_16"],
+        f["ceiling_staged_16"],
+        f["mrc"][0]["us_per_key"],
+        f["mrc"][1]["us_per_key"],
+    ]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bars = ax.bar(labels, values, color=["#bbb", "#3a7", "#37a", "#9bd"])
+    ax.bar_label(bars, fmt="%.2f")
+    ax.set_ylabel("µs per looked-up key")
+    ax.set_title("Metrics feeder cost per key, by slice size (same run)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def error_spread(n: int, seeds: int) -> dict:
     errors = []
     for seed in range(seeds):
@@ -178,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         "hit_rate_ceiling_3_windows": [bench_ceiling(keys, batch) for batch in (65_536, 4096, 16)],
         "key_hash": [bench_hash(keys, batch) for batch in (16, 256, 4096)],
         "numpy_hll_error_spread": error_spread(200_000, args.seeds),
+        "feeder_slices": feeder_slices(keys),
     }
     fastest_numpy = min(r["us_per_key"] for r in results["numpy_hll"])
     results["speedup_numpy_65536_vs_datasketch"] = (
@@ -186,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     results["speedup_best_numpy_vs_datasketch"] = results["datasketch_hll_sha1"]["us_per_key"] / fastest_numpy
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, args.out.with_suffix(".png"))
     print(json.dumps(results, indent=2))
     return 0
 

@@ -40,6 +40,9 @@ Locating (the fetch path's thread):
         (``locate_failures``). The answer is a hint: a peer may no longer
         hold a block; during a leader's rebuild it is partial (a miss). It
         never names a node for a block that node did not publish.
+    pub.try_locate(namespace_id, hashes, timeout_s) -> list[NodeHit] | None
+        The same, but None when the metaserver could not be asked or did not
+        answer (so the caller can tell "nobody holds it" from "no answer").
 
 The snapshot callback (provided by the server, called in the publisher thread):
     snapshot() -> Iterable[tuple[str, Sequence[bytes]]]
@@ -399,10 +402,15 @@ class BlockPublisher:
     # ------------------------------------------------------------ locating
 
     def locate(self, namespace: str, hashes: Sequence[bytes], timeout_s: float = 0.05) -> list[NodeHit]:
+        return self.try_locate(namespace, hashes, timeout_s) or []
+
+    def try_locate(
+        self, namespace: str, hashes: Sequence[bytes], timeout_s: float = 0.05
+    ) -> list[NodeHit] | None:
         session = self._session
         if session is None or not hashes:
             self.locate_skipped += 1
-            return []
+            return None if session is None else []
         started = time.perf_counter()
         self.locate_calls += 1
         try:
@@ -410,18 +418,18 @@ class BlockPublisher:
         except errors.NotLeader:
             self.locate_failures += 1
             self._suspect(session)
-            return []
+            return None
         except Exception as exc:  # the fetch path must never see an error from here
             self.locate_failures += 1
             log.debug("metaserver: locate failed: %s", exc)
-            return []
+            return None
         finally:
             self.locate_seconds_total += time.perf_counter() - started
         if term != session.term:
             # Another term answered (a new leader took over this address): not our registration's index.
             self.locate_failures += 1
             self._suspect(session)
-            return []
+            return None
         return hits
 
     def _suspect(self, session: _Session) -> None:

@@ -53,10 +53,12 @@ seen when) is not windowed: a key's distance is measured from its previous reque
 Cost, bounded by construction (bench/mrc_check.py measures it: bench/results/mrc_check.json):
 * memory: O(max_keys): per tracked key a dict entry, its key, a heap entry and 4 Fenwick slots,
   plus windows x 15 buckets x 67 bins floats: 5.8 MiB traced at the default 16384 keys;
-* CPU per looked-up block: one vectorised hash for every block (numpy, like the HLL ceiling's,
-  ~0.2 us), plus ~5-9 us of Python for each sampled one (measured on this 2-core machine under
-  load), at most ``max_sampled_per_s`` of them per second: at the default 10,000/s that is at most
-  ~0.1 s of one core per second, on the metrics feeder thread, never on the request path.
+* CPU per looked-up block: one XXH3 call for every block (~0.1 us; the histogram counts are
+  staged in a list and reach the windows' numpy arrays every FOLD_S, as the HLL ceiling's
+  registers do, so a 16-key slice pays no numpy call), plus ~5-9 us of Python for each sampled
+  one (measured on this 2-core machine under load), at most ``max_sampled_per_s`` of them per
+  second: at the default 10,000/s that is at most ~0.1 s of one core per second, on the metrics
+  feeder thread, never on the request path.
 
 Not thread-safe by itself: one lock inside serialises ``add`` (the feeder) and reads (scrapes).
 """
@@ -65,15 +67,16 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import math
 import threading
 import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
+from xxhash import xxh3_64_intdigest
 
-from pegaflow.server.metrics.hll_ceiling import BUCKETS_PER_WINDOW
-from pegaflow.server.metrics.hll_sketch import _mix64, hash_bytes_keys
+from pegaflow.server.metrics.hll_ceiling import BUCKETS_PER_WINDOW, FOLD_S
 
 # The capacity points exported as pegaflow_mrc_predicted_hit_rate{pool_factor}.
 POOL_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)
@@ -90,8 +93,8 @@ EDGE_FACTORS = tuple(2.0 ** (k / STEPS_PER_OCTAVE) for k in range(-_HALF_SPAN, _
 
 HASH_BITS = 24
 HASH_SPACE = 1 << HASH_BITS
-# Decorrelates the sampling hash from the HLL's use of the same key hash (its top bits). Another
-# salt samples another set of keys (bench/mrc_check.py --sweep measures the spread).
+# The sampling hash is XXH3-64 seeded with the salt: independent of the HLL's (another seed).
+# Another salt samples another set of keys (bench/mrc_check.py --sweep measures the spread).
 DEFAULT_SALT = 0x5A4D_5348_4152_4453
 
 # Defaults: exact (R = 1) for working sets up to 16384 blocks, sampled beyond; see the estimator
@@ -175,7 +178,7 @@ class MissRatioCurve:
         self.max_keys = max_keys
         self._threshold = max(1, int(max_rate * HASH_SPACE))  # T: sampled when hash < T
         self._clock = clock
-        self._salt = np.uint64(salt % (1 << 64))
+        self._salt = salt % (1 << 64)
         self.max_sampled_per_s = float(max_sampled_per_s)
         self._period_start = clock()
         self._period_sampled = 0
@@ -190,6 +193,12 @@ class MissRatioCurve:
         # Bin i of a distance d: the first edge with d <= edge (bisect); BEYOND past the last.
         self._edge_bytes = [f * capacity_bytes for f in EDGE_FACTORS]
         self._lock = threading.Lock()
+        # Staging (as HitRateCeiling's): the feeder's 16-key slices add to a plain list; the windows'
+        # numpy histograms get it every FOLD_S, at a window bucket's boundary and before every read.
+        self._staged_counts = [0.0] * BINS
+        self._staged_requests = 0
+        self._staged_at = 0.0
+        self._staged_until = -math.inf
         self.requests = 0  # every request fed (sampled or not)
         self.sampled_requests = 0
         self.compactions = 0
@@ -215,24 +224,49 @@ class MissRatioCurve:
             return
         if min(sizes) <= 0:
             raise ValueError("block sizes must be positive")
-        sampling = _mix64(hash_bytes_keys(keys) ^ self._salt) & np.uint64(HASH_SPACE - 1)
+        if not set(map(type, keys)) <= {bytes}:
+            raise TypeError("miss-ratio curve keys must be bytes")
+        mask = HASH_SPACE - 1
         with self._lock:
-            picked = np.flatnonzero(sampling < np.uint64(self._threshold)).tolist()
-            hist = np.zeros(BINS, dtype=np.float64)
+            now = self._clock()
+            if now >= self._staged_until:
+                self._fold()
+                until = now + FOLD_S
+                for ring in self._rings.values():
+                    until = min(until, (now // ring.width + 1) * ring.width)
+                self._staged_at, self._staged_until = now, until
+            threshold = self._threshold
+            picked = [
+                (i, v & mask)
+                for i, v in enumerate(map(xxh3_64_intdigest, keys, itertools.repeat(self._salt, n)))
+                if v & mask < threshold
+            ]
             sampled_before = self.sampled_requests
             if picked:
-                values = sampling[picked].tolist()
-                self._sample([keys[i] for i in picked], [int(sizes[i]) for i in picked], values, hist)
-            now = self._clock()
+                self._sample(
+                    [keys[i] for i, _ in picked],
+                    [int(sizes[i]) for i, _ in picked],
+                    [v for _, v in picked],
+                    self._staged_counts,
+                )
             self._period_sampled += self.sampled_requests - sampled_before
             self._keep_budget(now)
-            for ring in self._rings.values():
-                ring.add(now, hist, n)
+            self._staged_requests += n
             self.requests += n
 
-    def _sample(self, keys: list[bytes], sizes: list[int], values: list[int], hist: np.ndarray) -> None:
+    def _fold(self) -> None:
+        """The staged histogram into every window's bucket of the time it was staged (under the lock)."""
+        if not self._staged_requests:
+            return
+        hist = np.array(self._staged_counts, dtype=np.float64)
+        for ring in self._rings.values():
+            ring.add(self._staged_at, hist, self._staged_requests)
+        self._staged_counts = [0.0] * BINS
+        self._staged_requests = 0
+
+    def _sample(self, keys: list[bytes], sizes: list[int], values: list[int], counts: list[float]) -> None:
         # The Fenwick tree's loops are inlined: this loop is the MRC's whole per-sample cost.
-        tracked, counts = self._keys, [0.0] * BINS
+        tracked = self._keys
         tree, slots, edges = self._tree, self._slots, self._edge_bytes
         for key, size, value in zip(keys, sizes, values, strict=True):
             if value >= self._threshold:  # the threshold dropped within this batch
@@ -271,7 +305,6 @@ class MissRatioCurve:
             self.sampled_requests += 1
             if entry is None and len(tracked) > self.max_keys:
                 self._shrink()
-        hist += counts
 
     def _shrink(self) -> None:
         """Fixed size: the tracked key with the largest hash leaves and T drops to its hash."""
@@ -329,7 +362,10 @@ class MissRatioCurve:
         """(weights per bin, requests) over the window: bin e < EDGES holds distances in
         (EDGE_FACTORS[e - 1], EDGE_FACTORS[e]] x capacity, then BEYOND, then COLD."""
         with self._lock:
-            return self._ring(window).merged(self._clock())
+            ring = self._ring(window)
+            self._fold()
+            self._staged_until = -math.inf
+            return ring.merged(self._clock())
 
     def _edge_hit_rates(self, window: str) -> np.ndarray | None:
         hist, requests = self.distance_histogram(window)

@@ -35,6 +35,7 @@ def peer_families(stats: dict):
     for outcome, value in (
         ("located", remote.located),
         ("not_located", remote.not_located),
+        ("locate_failed", remote.locate_failed),
         ("stale", remote.stale),
         ("dropped", remote.dropped),
         ("joined", remote.joined),

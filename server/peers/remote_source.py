@@ -9,7 +9,8 @@ Flow, per request (a LOOKUP whose local prefix ended early), all off the request
 source's own worker threads:
 
 1. ``locate``: ask the metaserver which other live node holds the longest prefix of the rest
-   (a hint: it may be stale or partial);
+   (a hint: it may be stale or partial; no answer is a miss for this request only, while "nobody
+   holds it" is remembered for ``negative_ttl_s``);
 2. ``open_transfer`` on that node's link (links are cached per peer): the peer pins the leading
    blocks it really holds under a transfer lease with a TTL, and names their lengths and
    checksums (0 blocks: the index was stale, a miss);
@@ -42,7 +43,10 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class RemoteOptions:
-    locate_timeout_s: float = 0.05  # the metaserver lookup (a hint: a slow one is a miss)
+    # The metaserver lookup. It runs on the source's worker while the request waits ("searching", up
+    # to the connector's max wait), so it need not be short to protect the request; 50 ms was too
+    # short on a loaded 2-core host (a lookup that timed out left a prefix A held unpulled).
+    locate_timeout_s: float = 0.5
     connect_timeout_s: float = 2.0
     fetch_deadline_s: float = 10.0  # one pull, end to end (open, fetch, seal)
     transfer_ttl_s: float = 30.0  # the peer's pin; must outlive the fetch deadline
@@ -66,6 +70,7 @@ class RemoteStats:
     dropped: int = 0  # over max_inflight or the bytes bound
     located: int = 0  # the metaserver named a peer
     not_located: int = 0
+    locate_failed: int = 0  # the metaserver did not answer (not remembered as a miss: ask again)
     stale: int = 0  # the peer held less than the index said
     fetches: int = 0
     fetched_blocks: int = 0
@@ -134,7 +139,10 @@ class RemoteSource:
         deadline = time.monotonic() + opts.fetch_deadline_s
         reserved = 0
         try:
-            hits = self._publisher.locate(namespace_id, hashes, timeout_s=opts.locate_timeout_s)
+            hits = self._publisher.try_locate(namespace_id, hashes, timeout_s=opts.locate_timeout_s)
+            if hits is None:
+                self._count("locate_failed")  # no answer is not "nobody holds it": no negative entry
+                return
             best = max(hits, key=lambda h: h.num_blocks, default=None)
             if best is None or best.num_blocks < opts.min_blocks:
                 self._count("not_located")

@@ -192,3 +192,16 @@ def test_bad_keys_are_rejected_and_leave_no_trace():
     with pytest.raises(TypeError):
         ceiling.add(["not bytes"])
     assert ceiling.counts("w") == (0, 0.0)
+
+
+def test_staged_keys_land_in_the_bucket_of_their_time_even_with_no_read_between():
+    # add() stages keys and folds them into the windows later: keys staged before a bucket boundary
+    # must still leave the window with that bucket, not with the one the fold happened in.
+    clock = FakeClock(now=0.0)
+    ceiling = HitRateCeiling({"w": 60}, clock=clock)  # 15 buckets of 4 s
+    ceiling.add(block_keys(0, 100))
+    clock.now = 5.0  # the next bucket; nothing read in between
+    ceiling.add(block_keys(100, 150))
+    clock.now = 60.5  # the t=0 bucket has left, the t=5 one has not
+    requests, distinct = ceiling.counts("w")
+    assert requests == 50 and distinct == pytest.approx(50, rel=0.05)

@@ -78,17 +78,23 @@ def test_exact_at_rate_one_against_byte_lru(max_keys):
         assert predicted[factor] == pytest.approx(exact, abs=1e-9), factor
 
 
-def test_sampled_fixed_size_stays_within_two_points():
+def test_sampled_fixed_size_stays_within_two_points_on_average_over_salts():
+    # One salt's error is luck (a few hot keys in or out of the sample): bound the mean over four
+    # salts, and the worst of them more loosely (bench/mrc_check.py --sweep measures the spread).
     keys, sizes = zipf_trace(200_000, 40_000, seed=2)
     capacity = distinct_bytes(keys, sizes) // 8
-    mrc = MissRatioCurve(capacity, WINDOWS, max_keys=2048, max_rate=1.0, max_sampled_per_s=1e12)
-    feed(mrc, keys, sizes, batch=2000)
-    # Fixed size: the sample shrank to 2048 keys and the rate adapted down.
-    assert mrc.tracked_keys <= 2048 and mrc.rate < 0.1
-    predicted = mrc.predicted_hit_rates("15m")
-    for factor in POOL_FACTORS:
-        exact = byte_lru_hit_rate(keys, sizes, int(factor * capacity))
-        assert abs(predicted[factor] - exact) < 0.02, (factor, predicted[factor], exact)
+    exact = {f: byte_lru_hit_rate(keys, sizes, int(f * capacity)) for f in POOL_FACTORS}
+    errors = []
+    for salt in range(4):
+        mrc = MissRatioCurve(
+            capacity, WINDOWS, max_keys=2048, max_rate=1.0, max_sampled_per_s=1e12, salt=0x9E37 * (salt + 1)
+        )
+        feed(mrc, keys, sizes, batch=2000)
+        # Fixed size: the sample shrank to 2048 keys and the rate adapted down.
+        assert mrc.tracked_keys <= 2048 and mrc.rate < 0.1
+        predicted = mrc.predicted_hit_rates("15m")
+        errors.append(max(abs(predicted[f] - exact[f]) for f in POOL_FACTORS))
+    assert sum(errors) / len(errors) < 0.02 and max(errors) < 0.03, errors
 
 
 def test_curve_is_monotone_and_spans_the_edges():
@@ -185,3 +191,14 @@ def test_bad_input_is_refused_and_changes_nothing():
     with pytest.raises(ValueError):
         MissRatioCurve(1024, WINDOWS, max_sampled_per_s=0)
     assert mrc.requests == 0 and mrc.tracked_keys == 0 and mrc.predicted_hit_rates("15m") == {}
+
+
+def test_staged_requests_land_in_the_bucket_of_their_time_even_with_no_read_between():
+    clock = FakeClock(now=0.0)
+    mrc = MissRatioCurve(1 << 20, {"w": 60.0}, clock=clock)  # 15 buckets of 4 s
+    mrc.add([b"a%d" % i for i in range(100)], [4096] * 100)
+    clock.now = 5.0
+    mrc.add([b"b%d" % i for i in range(30)], [4096] * 30)
+    clock.now = 60.5  # the t=0 bucket has left the window, the t=5 one has not
+    hist, requests = mrc.distance_histogram("w")
+    assert requests == 30 and hist.sum() == pytest.approx(30)
