@@ -284,6 +284,8 @@ VARIANTS = {
     # The metrics feeder does not yield to calls in flight (server/metrics/foreground.py): as before.
     "noyield": {"registry": {"FEED_SLICE_KEYS": 65536, "MAX_FEED_DEFER_S": 0.0, "BUSY_PAUSE_S": 0.0}},
     "si50": {"runtime": {"SWITCH_INTERVAL_S": 5e-5}},
+    # The metrics feeder gets no lookups at all (each is dropped and counted): what feeding costs.
+    "nofeed": {"registry": {"MAX_PENDING_LOOKUPS": 0}},
 }
 _SERVER_BOOT = (
     "import functools, json, logging, sys\n"

@@ -72,6 +72,12 @@ class _Lookup:
 # takes what is ready and computes the rest).
 POLL_INTERVAL_S = 0.004
 
+# ... but when the engine's last step scheduled nothing (every request waits), vLLM's EngineCore
+# loop spins a core on empty steps, and on a small host that core is the one the server needs to
+# bring the blocks in (a peer pull measured 1.17 GB/s beside the spinning engine against 2.2 GB/s
+# alone, bench/results/remote_read.json). Then the lookup sleeps until the poll is due (at most
+# POLL_INTERVAL_S, once per step) and polls: the engine had nothing else to do in that time.
+
 
 # vLLM asks again, every step, about a request it could not admit yet (no free KV blocks).
 # One answer serves those repeats for this long: a waiting queue then costs the server one
@@ -130,6 +136,9 @@ class SchedulerConnector:
         self.lookups_reused = 0
         self.lookups_waited = 0  # answered "ask again": blocks were on their way
         self.lookups_polled = 0
+        self.idle_waits = 0  # slept until a poll was due: the engine's last step was empty
+        self._last_step_idle = False  # the last build_meta's step scheduled no token
+        self._idle_wait_step = -1
         self.waits_given_up = 0  # waited max_wait_s, then took what was ready
         self.hit_blocks = 0
         self.saved_blocks = 0
@@ -162,7 +171,9 @@ class SchedulerConnector:
         if seen is not None and seen.waiting_since is not None and seen.num_hashes == len(hashes):
             # blocks were on their way: ask again (as a load), at most every POLL_INTERVAL_S
             if t0 - seen.polled_at < POLL_INTERVAL_S:
-                return None, False
+                if not self._idle_wait(seen.polled_at + POLL_INTERVAL_S - t0):
+                    return None, False
+                t0 = time.monotonic()
             answer = _answer(self._lookup(hashes, poll=True))
             self.lookups_polled += 1
             waiting_since = seen.waiting_since
@@ -218,6 +229,16 @@ class SchedulerConnector:
         if loadable <= local_blocks:
             return 0, False
         return (loadable - local_blocks) * bs, False
+
+    def _idle_wait(self, seconds: float) -> bool:
+        """Sleeps ``seconds`` (<= POLL_INTERVAL_S) if the engine's last step was empty and no lookup
+        slept in this step yet; False (no sleep) otherwise."""
+        if not self._last_step_idle or self._idle_wait_step == self._step:
+            return False
+        self._idle_wait_step = self._step
+        self.idle_waits += 1
+        time.sleep(min(max(seconds, 0.0), POLL_INTERVAL_S))
+        return True
 
     def _count_lookup(self, asked: int, stored: int | None, seconds: float) -> None:
         m = self.metrics
@@ -289,6 +310,7 @@ class SchedulerConnector:
     # ---------------------------------------------------------------- steps
     def build_meta(self, scheduler_output: Any) -> PegaConnectorMetadata:
         self._step += 1
+        self._last_step_idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
         meta = PegaConnectorMetadata()
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)

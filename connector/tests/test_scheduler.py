@@ -471,3 +471,33 @@ def test_without_waiting_a_waiting_answer_is_taken_as_it_is():
     store = ArrivingStore(ready=3, total=5, arrive_after=10**6)
     s = SchedulerConnector(block_size=BS, lookup=store, loads=True, saves=False, max_wait_s=0.0)
     assert s.get_num_new_matched_tokens(request("d", 6 * BS + 10), 0) == (3 * BS, False)
+
+
+def test_an_idle_engine_sleeps_until_the_next_poll_instead_of_spinning(monkeypatch):
+    import pegaflow.connector.scheduler as sched
+
+    clock, slept = [100.0], []
+
+    def sleep(seconds):
+        slept.append(seconds)
+        clock[0] += seconds
+
+    monkeypatch.setattr(sched.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(sched.time, "sleep", sleep)
+    store = ArrivingStore(ready=0, total=5, arrive_after=3)
+    s = SchedulerConnector(block_size=BS, lookup=store, loads=True, saves=False)
+    r = request("idle", 6 * BS + 10)
+    s.build_meta(step())  # a step that scheduled nothing: every request waits
+    assert s.get_num_new_matched_tokens(r, 0) == (None, False)  # the first lookup
+    clock[0] += 0.001
+    # The engine is idle: sleep until the poll is due, then poll (not an instant "ask again").
+    assert s.get_num_new_matched_tokens(r, 0) == (None, False)
+    assert slept == [pytest.approx(sched.POLL_INTERVAL_S - 0.001)] and store.calls == [False, True]
+    # At most once per step.
+    assert s.get_num_new_matched_tokens(r, 0) == (None, False)
+    assert len(slept) == 1 and store.calls == [False, True]
+    # A step that ran something: never sleeps (other requests would wait behind the lookup).
+    other = request("busy", 2 * BS)
+    s.build_meta(step(new=[(other, [9, 10], 0)], scheduled={"busy": 2 * BS}))
+    assert s.get_num_new_matched_tokens(r, 0) == (None, False)
+    assert len(slept) == 1 and s.idle_waits == 1
