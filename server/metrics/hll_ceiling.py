@@ -14,14 +14,13 @@ between 14/15 of its length and all of it.
 
 Staging: the metrics feeder calls ``add`` with small slices (16 keys, so it can
 yield the GIL between them), where a numpy call's fixed cost (~3-5 us) outweighs
-the keys' own work. So ``add`` folds a slice into one staging register array (one
-``np.maximum.at``), and the staged registers and count go to every window's newest
-bucket at once (one ``np.maximum`` of 2**p bytes per window) every ``FOLD_S``, when
-the newest bucket of any window would change (so every key still lands in the
-bucket of its time span), and before every read. The staging array is a
-``bytearray`` updated in a plain Python loop (hll_sketch.fold_keys_into): cheaper
-than any numpy call for 16 keys. The hashing now runs under the lock (it is
-~0.1 us a key); the lock only serialises the feeder with scrapes.
+the keys' own work. So ``add`` folds a slice into one staging register array, a
+``bytearray`` updated in a plain Python loop (hll_sketch.fold_keys_into: cheaper
+than any numpy call for 16 keys). The staged registers and count go to every
+window's newest bucket at once (one ``np.maximum`` of 2**p bytes per window) every
+``FOLD_S``, when the newest bucket of any window would change (so every key still
+lands in the bucket of its time span), and before every read. The hashing runs
+under the lock (~0.1 us a key); the lock only serialises the feeder with scrapes.
 """
 
 from __future__ import annotations

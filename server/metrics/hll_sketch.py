@@ -36,20 +36,11 @@ from xxhash import xxh3_64_intdigest
 MIN_PRECISION = 4
 MAX_PRECISION = 18
 
-_MUL1 = np.uint64(0xBF58476D1CE4E5B9)
-_MUL2 = np.uint64(0x94D049BB133111EB)
 _SEED = 0x5EED_0F_4E6A_F10A
 _ALPHA_INF = 1.0 / (2.0 * math.log(2.0))
 _MASK64 = (1 << 64) - 1
 # Below this many keys register_updates stays in Python ints (see the module doc).
 _SMALL_BATCH = 64
-
-
-def _mix64(z: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser (uint64 array arithmetic wraps modulo 2**64)."""
-    z = (z ^ (z >> np.uint64(30))) * _MUL1
-    z = (z ^ (z >> np.uint64(27))) * _MUL2
-    return z ^ (z >> np.uint64(31))
 
 
 def hash_bytes_keys(keys: Sequence[bytes]) -> np.ndarray:

@@ -135,3 +135,20 @@ def test_small_and_large_batches_give_the_same_registers():
         assert [int(i) for i in big_index] == [i for index, _ in small for i in index]
         assert [int(r) for r in big_rank] == [r for _, rank in small for r in rank]
         assert int(big_rank[0]) == 65 - precision
+
+
+def test_the_python_fold_gives_the_registers_of_the_vectorised_updates():
+    # HitRateCeiling stages through fold_keys_into; HyperLogLog (and the estimate's tests) use
+    # register_updates: both must put every key in the same register with the same rank.
+    from pegaflow.server.metrics.hll_sketch import fold_keys_into, register_updates
+
+    keys = [f"key-{i}".encode() for i in range(3000)] + [b"", b"\x00" * 64]
+    for precision in (4, 14, 18):
+        want = np.zeros(1 << precision, dtype=np.uint8)
+        np.maximum.at(want, *register_updates(hash_bytes_keys(keys), precision))
+        got = bytearray(1 << precision)
+        for i in range(0, len(keys), 16):
+            fold_keys_into(got, keys[i : i + 16], precision)
+        assert np.array_equal(np.frombuffer(got, dtype=np.uint8), want), precision
+    with pytest.raises(TypeError):
+        fold_keys_into(bytearray(16), ["str"], 4)
