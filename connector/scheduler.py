@@ -73,10 +73,11 @@ class _Lookup:
 POLL_INTERVAL_S = 0.004
 
 # ... but when the engine's last step scheduled nothing (every request waits), vLLM's EngineCore
-# loop spins a core on empty steps, and on a small host that core is the one the server needs to
-# bring the blocks in (a peer pull measured 1.17 GB/s beside the spinning engine against 2.2 GB/s
-# alone, bench/results/remote_read.json). Then the lookup sleeps until the poll is due (at most
-# POLL_INTERVAL_S, once per step) and polls: the engine had nothing else to do in that time.
+# loop runs empty steps back to back, a busy core the server may need to bring the blocks in on a
+# small host. Then the lookup sleeps until the poll is due (at most POLL_INTERVAL_S, once per step)
+# and polls: the engine had nothing else to do in that time. (A peer pull of 78 MiB ran at ~1 GB/s
+# beside the waiting engine, against 2.2 GB/s for bulk pulls; this sleep alone did not measurably
+# change that, bench/README.md "Remote read".)
 
 
 # vLLM asks again, every step, about a request it could not admit yet (no free KV blocks).
