@@ -94,8 +94,22 @@ def run_threads(fn, n: int) -> float:
     return time.perf_counter() - start
 
 
-def throughput(addr: str, block_bytes: int, batch_blocks: int, rounds: int, inflight: int) -> dict:
+def throughput(
+    addr: str,
+    block_bytes: int,
+    batch_blocks: int,
+    rounds: int,
+    inflight: int,
+    pool_bytes: int,
+    filled_by: str = "self",
+) -> dict:
     """Per round: each of ``inflight`` threads saves PER_ROUND batches, then loads them back.
+
+    The pool is first filled (``pool_bytes`` and a batch more), so that every measured save evicts:
+    a server in service is full. ``filled_by="self"``: with this layout's own blocks, the steady state
+    of one model; ``"other"``: with another namespace's, so every measured save takes slots another
+    namespace held, which the server zeroes before granting them (issue 12's F2: a seal of unwritten
+    bytes must not expose another namespace's data), the cost a pool shared by several models pays.
 
     Two references, copying the same bytes with the same threads in the same round: a plain
     numpy memcpy between ordinary arrays (the issue's bar), and the same numpy copies into /
@@ -127,6 +141,14 @@ def throughput(addr: str, block_bytes: int, batch_blocks: int, rounds: int, infl
         # (each page's first byte written back unchanged: safe, nothing else writes the pool now).
         pages = c.pool_view()[::4096]
         pages[:] = pages.copy()
+        tag = f"tp{block_bytes}-{batch_blocks}-{inflight}"
+        fill_inst = inst if filled_by == "self" else c.register_instance(layout(block_bytes, f"{tag}-other"))
+        fill_src = rng.integers(0, 256, size=(batch_blocks, block_bytes), dtype=np.uint8)
+        for i in range(pool_bytes // (batch_blocks * block_bytes) + 2):
+            batch = c.allocate(fill_inst, [f"fill-{i}-{j}".encode() for j in range(batch_blocks)])
+            write_blocks(c.pool_view(batch.epoch), batch.allocations, fill_src)
+            c.seal(batch.save_id)
+        evictions_before = c.stats().evictions
 
         def save(k: int, round_ids, summed: bool = False) -> None:
             for r in round_ids:
@@ -255,7 +277,9 @@ def throughput(addr: str, block_bytes: int, batch_blocks: int, rounds: int, infl
         "load_vs_memcpy_worst": min(rows["load_vs_memcpy"]),
         "save_rpc_ms_median": med(save_rpc) * 1e3,
         "load_rpc_ms_median": med(load_rpc) * 1e3,
-        "evictions_so_far": stats.evictions,
+        "pool_filled_by": filled_by,
+        "evictions_measured": stats.evictions - evictions_before,
+        "reserve_evictions_so_far": stats.reserve_evictions,
     }
 
 
@@ -411,6 +435,12 @@ def main() -> int:
         "server's private mount namespace (needs root; 2 MiB page allocation can take minutes on a "
         "fragmented machine)",
     )
+    ap.add_argument(
+        "--reserve-ab",
+        action="store_true",
+        help="throughput on two servers side by side: as shipped, and with --free-reserve 0 (saves evict "
+        "for themselves), case by case in alternating order",
+    )
     ap.add_argument("--role", help=argparse.SUPPRESS)
     ap.add_argument("role_args", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -436,7 +466,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = pathlib.Path(tmpdir)
         if args.part in ("all", "throughput"):
-            results["throughput"] = run_throughput(tmp, rounds, "memfd")
+            results["throughput"] = run_throughput(tmp, rounds, "memfd", args.reserve_ab)
             if args.huge_tmpfs:
                 if not huge_tmpfs_available():
                     raise SystemExit("--huge-tmpfs needs root and unshare(1)")
@@ -455,8 +485,13 @@ def main() -> int:
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
 
-            fig, ax = plt.subplots(figsize=(12, 4.5))
-            _throughput_panel(ax, results["throughput"]["rows"], "save / load vs same-run memcpy")
+            part = results["throughput"]
+            panels = [("rows", "save / load vs same-run memcpy (pegaflow-server as shipped)")]
+            if "rows_no_reserve" in part:
+                panels.append(("rows_no_reserve", "the same, --free-reserve 0 (saves evict for themselves)"))
+            fig, axes = plt.subplots(len(panels), 1, figsize=(13, 4.5 * len(panels)), squeeze=False)
+            for ax, (key, title) in zip(axes[:, 0], panels, strict=True):
+                _throughput_panel(ax, part[key], title)
             fig.tight_layout()
             fig.savefig(args.part_out.with_suffix(".png"), dpi=110)
             plt.close(fig)
@@ -580,59 +615,89 @@ def wait_quiet(max_wait_s: float, threshold: float = 2.0, quiet_for_s: float = 6
         time.sleep(5)
 
 
-def run_throughput(tmp: pathlib.Path, rounds: int, backing: str) -> dict:
+def run_throughput(tmp: pathlib.Path, rounds: int, backing: str, reserve_ab: bool = False) -> dict:
     if backing == "hugetlb":
-        with reserved_hugepages(parse_size(THROUGHPUT_POOL)) as reservation:
-            out = _run_throughput(tmp, rounds, backing)
+        with reserved_hugepages(parse_size(THROUGHPUT_POOL) * (2 if reserve_ab else 1)) as reservation:
+            out = _run_throughput(tmp, rounds, backing, reserve_ab)
         out["hugepages"] = reservation
         return out
-    return _run_throughput(tmp, rounds, backing)
+    return _run_throughput(tmp, rounds, backing, reserve_ab)
 
 
-def _run_throughput(tmp: pathlib.Path, rounds: int, backing: str) -> dict:
+# (block bytes, blocks per batch, batches in flight, what filled the pool first); the 16 MiB rows
+# (256 KiB x 64) are issue 16's target rows.
+THROUGHPUT_CASES = [
+    (256 * KIB, 64, 1, "self"),
+    (256 * KIB, 256, 1, "self"),
+    (2 * MIB, 64, 1, "self"),
+    (2 * MIB, 256, 1, "self"),
+    (256 * KIB, 64, 2, "self"),
+    (256 * KIB, 256, 2, "self"),
+    (2 * MIB, 64, 2, "self"),
+    (2 * MIB, 256, 2, "self"),
+    (256 * KIB, 64, 1, "other"),
+    (256 * KIB, 64, 2, "other"),
+]
+# Server arms. "default": pegaflow-server as shipped; with --reserve-ab also "no_reserve": the same
+# server with --free-reserve 0 (every save evicts for itself, as before store/free_reserve.py), run
+# case by case beside it, the arms' order alternating, each against its own same-round memcpy.
+ARMS = {"default": [], "no_reserve": ["--free-reserve", "0"]}
+
+
+def _run_throughput(tmp: pathlib.Path, rounds: int, backing: str, reserve_ab: bool) -> dict:
     print(f"throughput, pool backed by {BACKINGS[backing]} ...", flush=True)
-    rows = []
-    extra: list[str] = []
-    launcher: list[str] = []
-    if backing == "hugetlb":
-        extra = ["--use-hugepages"]
-    elif backing == "huge-tmpfs":
-        mount_dir = tmp / "huge-tmpfs"
-        mount_dir.mkdir()
-        # The mount exists only in the server's own mount namespace and vanishes with it.
-        script = 'mount -t tmpfs -o huge=always,size=4g pegaflow-bench "$0" && exec "$@"'
-        launcher = ["unshare", "-m", "--", "sh", "-c", script, str(mount_dir)]
-        extra = ["--pool-dir", str(mount_dir)]
-    with (
-        ServerProcess(
-            tmp / f"tp-{backing}",
-            pool_size=THROUGHPUT_POOL,
-            http_addr=None,
-            extra_args=extra,
-            launcher=launcher,
-            start_timeout_s=600,  # a huge-page pool may need minutes of compaction
-        ) as srv,
-        LoadSampler() as load,
-    ):
-        for inflight in (1, 2):
-            for block, batch in ((256 * KIB, 64), (256 * KIB, 256), (2 * MIB, 64), (2 * MIB, 256)):
-                row = throughput(srv.addr, block, batch, rounds, inflight)
+    arms = list(ARMS) if reserve_ab else ["default"]
+    rows: dict[str, list[dict]] = {arm: [] for arm in arms}
+    pool_bytes = parse_size(THROUGHPUT_POOL)
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for arm in arms:
+            extra, launcher = list(ARMS[arm]), []
+            if backing == "hugetlb":
+                extra.append("--use-hugepages")
+            elif backing == "huge-tmpfs":
+                mount_dir = tmp / f"huge-tmpfs-{arm}"
+                mount_dir.mkdir()
+                # The mount exists only in this server's own mount namespace and vanishes with it.
+                script = 'mount -t tmpfs -o huge=always,size=4g pegaflow-bench "$0" && exec "$@"'
+                launcher = ["unshare", "-m", "--", "sh", "-c", script, str(mount_dir)]
+                extra += ["--pool-dir", str(mount_dir)]
+            servers[arm] = stack.enter_context(
+                ServerProcess(
+                    tmp / f"tp-{backing}-{arm}",
+                    pool_size=THROUGHPUT_POOL,
+                    http_addr=None,
+                    extra_args=extra,
+                    launcher=launcher,
+                    start_timeout_s=600,  # a huge-page pool may need minutes of compaction
+                )
+            )
+        load = stack.enter_context(LoadSampler())
+        for n, (block, batch, inflight, filled_by) in enumerate(THROUGHPUT_CASES):
+            for arm in arms if n % 2 == 0 else arms[::-1]:
+                row = throughput(servers[arm].addr, block, batch, rounds, inflight, pool_bytes, filled_by)
                 row["backing"] = BACKINGS[backing]
-                rows.append(row)
-                size = f"{row['block_bytes'] // KIB} KiB x {row['batch_blocks']}, {row['inflight']} in flight"
-                save = f"save {row['save_gbps']:.1f} GB/s ({row['save_vs_memcpy']:.0%})"
-                loaded = f"load {row['load_gbps']:.1f} GB/s ({row['load_vs_memcpy']:.0%})"
-                refs = (
-                    f"memcpy {row['memcpy_gbps']:.1f} GB/s, pool memcpy {row['pool_memcpy_write_gbps']:.1f}"
-                )
-                vs_pool = f"vs pool memcpy {row['save_vs_pool_memcpy']:.0%}/{row['load_vs_pool_memcpy']:.0%}"
-                rpc = f"rpc ms/batch {row['save_rpc_ms_median']:.2f}/{row['load_rpc_ms_median']:.2f}"
-                summed = (
-                    f"checksummed save/load {row['save_checksummed_vs_memcpy']:.0%}/"
-                    f"{row['load_checksummed_vs_memcpy']:.0%}"
-                )
-                print(f"  {size}: {save}, {loaded}; {refs}; {vs_pool}; {rpc}; {summed}", flush=True)
-    return {"backing": BACKINGS[backing], "rows": rows, "load_average": load.summary()}
+                row["arm"] = arm
+                rows[arm].append(row)
+                print(f"  [{arm}] {_row_line(row)}", flush=True)
+    out = {"backing": BACKINGS[backing], "rows": rows["default"], "load_average": load.summary()}
+    if reserve_ab:
+        out["rows_no_reserve"] = rows["no_reserve"]
+    return out
+
+
+def _row_line(row: dict) -> str:
+    filled = "" if row["pool_filled_by"] == "self" else ", pool last held by another namespace"
+    size = f"{row['block_bytes'] // KIB} KiB x {row['batch_blocks']}, {row['inflight']} in flight{filled}"
+    save, load = (
+        f"{op} {row[f'{op}_gbps']:.1f} GB/s ({row[f'{op}_vs_memcpy']:.0%}, "
+        f"worst {row[f'{op}_vs_memcpy_worst']:.0%})"
+        for op in ("save", "load")
+    )
+    refs = f"memcpy {row['memcpy_gbps']:.1f} GB/s, pool memcpy {row['pool_memcpy_write_gbps']:.1f}"
+    rpc = f"rpc ms/batch {row['save_rpc_ms_median']:.2f}/{row['load_rpc_ms_median']:.2f}"
+    summed = f"checksummed {row['save_checksummed_vs_memcpy']:.0%}/{row['load_checksummed_vs_memcpy']:.0%}"
+    return f"{size}: {save}, {load}; {refs}; {rpc}; {summed}"
 
 
 def run_latency(tmp: pathlib.Path, seconds: float) -> dict:
@@ -661,7 +726,11 @@ def run_latency(tmp: pathlib.Path, seconds: float) -> dict:
 
 
 def _throughput_panel(ax, rows: list[dict], title: str) -> None:
-    labels = [f"{r['block_bytes'] // KIB}K x{r['batch_blocks']}\n{r['inflight']} in fl." for r in rows]
+    labels = [
+        f"{r['block_bytes'] // KIB}K x{r['batch_blocks']}\n{r['inflight']} in fl."
+        + ("\nother ns" if r.get("pool_filled_by") == "other" else "")
+        for r in rows
+    ]
     x = np.arange(len(rows))
     bars = [
         ("memcpy_gbps", "numpy memcpy, plain arrays", "#999999", None),

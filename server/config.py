@@ -79,6 +79,9 @@ class ServerConfig:
     write_timeout_s: float = 60.0  # granted-but-unsealed blocks are freed after this
     # Allocator slab size; None picks one from the pool size (see tiers/dram/README.md).
     slab_bytes: int | None = None
+    # Free DRAM slots kept ahead of saves, evicted in the background (store/free_reserve.py); 0: a
+    # save evicts for itself. The CLI's default is free_reserve.default_reserve_bytes(pool).
+    free_reserve_bytes: int = 0
     max_batch_blocks: int = 4096  # hashes per QueryPrefix / AllocateBlocks / SealBlocks
     # Per session: bounds what one buggy client can pile up (leases and saves also expire).
     max_instances_per_session: int = 1024
@@ -148,6 +151,11 @@ class ServerConfig:
             raise ValueError(f"pool_size_bytes must be a positive int, got {self.pool_size_bytes!r}")
         if self.pool_size_bytes < MIN_POOL_BYTES:
             raise ValueError(f"the pool must be at least {format_size(MIN_POOL_BYTES)} (one allocator slab)")
+        reserve = self.free_reserve_bytes
+        if not isinstance(reserve, int) or not 0 <= reserve <= self.pool_size_bytes // 4:
+            raise ValueError(
+                "--free-reserve (free_reserve_bytes) must be between 0 and a quarter of the pool"
+            )
         if self.slab_bytes is not None and not 0 < self.slab_bytes <= self.pool_size_bytes:
             raise ValueError("slab_bytes must be positive and no larger than the pool")
         if self.persist_pool and not self.pool_dir:

@@ -61,6 +61,7 @@ from pegaflow.server.policy.placement import SsdPlacement, sighting_keys
 from pegaflow.server.policy.tenant_caps import TenantCappedPolicy
 from pegaflow.server.store import persistence
 from pegaflow.server.store.block_store import BlockStore, IoBatch, StoreLimits
+from pegaflow.server.store.free_reserve import FreeSlotReserve
 from pegaflow.server.store.index import BlockEntry
 from pegaflow.server.store.namespace import KvLayout, NamespaceTable
 from pegaflow.server.store.stats import ClientCounters, EngineStats, NamespaceStats, TenantStats
@@ -97,6 +98,9 @@ class InstanceInfo:
 
 
 MAX_CORRUPT_CHECKS = 4  # reported blocks hashed again per ReleaseLease
+# Victims the free-slot reserve evicts per hold of the engine lock (a few us each): short enough that
+# a request waiting for the lock is not held up by more than ~0.1-0.2 ms.
+RESERVE_SLICE_BLOCKS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,6 +230,7 @@ class KVEngine:
             ),
             limits=StoreLimits(config.promote_inflight_bytes, config.demote_inflight_bytes),
             hasher=self._hasher,
+            free_reserve=FreeSlotReserve(config.free_reserve_bytes),
         )
         self._mover = TierMover(self._transfer_done)
         # Where the namespaces' layouts are kept beside persisted blocks: the SSD tier's records, the
@@ -259,6 +264,13 @@ class KVEngine:
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="pegaflow-reaper", daemon=True)
         self._reaper.start()
+        self._reserve_wanted = threading.Event()
+        self._reserver: threading.Thread | None = None
+        if config.free_reserve_bytes:
+            self._reserver = threading.Thread(
+                target=self._reserve_loop, name="pegaflow-free-reserve", daemon=True
+            )
+            self._reserver.start()
         log.info(
             "engine: epoch %s, policy %s, %d slabs of %d bytes, ssd %s",
             self.epoch,
@@ -278,8 +290,10 @@ class KVEngine:
             self._closed = True
             self._changed.notify_all()
         self._stop.set()
-        if self._reaper.is_alive() and self._reaper is not threading.current_thread():
-            self._reaper.join(timeout=5)
+        self._reserve_wanted.set()
+        for thread in (self._reaper, self._reserver):
+            if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+                thread.join(timeout=5)
         self._close_parts()
 
     def _close_parts(self) -> None:
@@ -698,9 +712,12 @@ class KVEngine:
             else:
                 # Nothing to write, so no seal will restate the chain: restate it now.
                 self._store.refresh_chain(ns_index, save.chain)
+            wake_reserve = self._reserver is not None and self._store.reserve_low()
         if stale:
             # Off the lock: the slots are this save's (WRITING), nobody else reads or writes them.
             self.dram.zero([(offset, block_bytes) for offset in stale])
+        if wake_reserve:  # after the zeroing: its evictions are not to compete with this call's own work
+            self._reserve_wanted.set()
         return AllocateResult(save_id, statuses, local_offsets, block_bytes, self.epoch)
 
     def seal_blocks(
@@ -1254,6 +1271,25 @@ class KVEngine:
             len(skipped),
             orphaned,
         )
+
+    def _reserve_loop(self) -> None:
+        """Keeps the free-slot reserve (store/free_reserve.py): woken by an allocation that left it
+        low, it evicts in slices of RESERVE_SLICE_BLOCKS under the lock (~0.1 ms each here), letting
+        the requests waiting for the lock in between, while the client that allocated copies its bytes."""
+        while not self._stop.is_set():
+            self._reserve_wanted.wait()
+            self._reserve_wanted.clear()
+            more = True
+            while more and not self._stop.is_set():
+                try:
+                    with self._locked(None):
+                        more = self._store.refill_reserve(RESERVE_SLICE_BLOCKS)
+                except Closed:
+                    return
+                except Exception:
+                    log.exception("free-slot reserve failed; allocations evict for themselves")
+                    break
+                time.sleep(0)  # the GIL to a thread that waits for it (a request that wants the lock)
 
     def _reap_loop(self) -> None:
         while not self._stop.wait(self.config.reaper_interval_s):

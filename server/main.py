@@ -26,6 +26,7 @@ from pegaflow.common.cli import (
 )
 from pegaflow.server.config import ServerConfig, parse_host_port, parse_size, parse_windows
 from pegaflow.server.errors import PoolCapacityError
+from pegaflow.server.store.free_reserve import default_reserve_bytes
 
 log = logging.getLogger("pegaflow.server")
 
@@ -73,6 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --pool-dir: keep the pool file and a journal of its sealed blocks across restarts, so a "
         "restarted server (crash or upgrade) serves the blocks it held again, each verified by its checksum",
+    )
+    p.add_argument(
+        "--free-reserve",
+        type=parsed_by(_size_or_zero),
+        default=None,
+        metavar="SIZE",
+        help="free pool memory kept ahead of saves: the policy's next victims are evicted in the background, "
+        "so a save into a full pool does not wait for its own evictions (0: it does). Default: 1/64 of the "
+        "pool, at most 512mb",
     )
     p.add_argument(
         "--enable-lfu-admission",
@@ -352,6 +362,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _size_or_zero(text: str) -> int:
+    """A size, or "0" for none (a bare 0 is unambiguous, unlike a bare 30)."""
+    return 0 if text.strip() == "0" else parse_size(text)
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         pool_size_bytes=args.pool_size,
@@ -360,6 +375,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         use_hugepages=args.use_hugepages,
         pool_dir=args.pool_dir,
         persist_pool=args.persist_pool,
+        free_reserve_bytes=(
+            default_reserve_bytes(args.pool_size) if args.free_reserve is None else args.free_reserve
+        ),
         enable_lfu_admission=args.enable_lfu_admission,
         hll_windows=args.metric_hll_windows,
         fd_socket_path=args.fd_socket_path,

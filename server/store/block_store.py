@@ -46,6 +46,7 @@ from pegaflow.common.wire.types import AllocStatus, Tier
 from pegaflow.server.policy.base import EvictionPolicy
 from pegaflow.server.policy.placement import SsdPlacement
 from pegaflow.server.policy.tenant_caps import TenantCappedPolicy
+from pegaflow.server.store.free_reserve import FreeSlotReserve
 from pegaflow.server.store.index import NO_SLOT, SEALED, WRITING, BlockEntry, BlockIndex, BlockKey
 from pegaflow.server.store.namespace import NamespaceTable, block_tag
 from pegaflow.server.store.stats import StoreCounters
@@ -101,6 +102,7 @@ class BlockStore:
         limits: StoreLimits = StoreLimits(),
         hasher=None,
         journal=None,
+        free_reserve: FreeSlotReserve | None = None,
     ):
         self.dram = dram
         self.allocator = dram.allocator
@@ -132,6 +134,8 @@ class BlockStore:
         self.cap_counts: dict[str, list[int]] = {}
         # Tenant -> its region's allocator part (tiers/dram/region.py); tenants not named: the pool (0).
         self.tenant_parts: dict[str, int] = {p.name: i for i, p in enumerate(dram.region.parts) if i}
+        # Free slots kept ahead of the saves (store/free_reserve.py); 0 bytes: evict on allocation only.
+        self.free_reserve = free_reserve or FreeSlotReserve(0)
 
     # ============================================================== save path
 
@@ -499,21 +503,45 @@ class BlockStore:
         """Up to ``count`` held DRAM slots for blocks of this size (of namespace ``ns_index``: in its
         tenant's region when it has one), evicting as the policy says when the pool (or that region) is
         full (never a block of ``keep``); fewer only when nothing evictable is left or the deadline
-        passed.
-
-        The policy's victims are evicted (whatever their size) until enough slots of this size are
-        free: a victim of this size frees one, and a slab that empties can go to any size. Victims of
-        other sizes leave free slots there that this size cannot use; whenever a slab's worth of those
-        has piled up, a whole slab of another size (no held blocks, the emptiest) is evicted and moves
-        to this size. Evicting first and allocating in one step afterwards hands out the freed slots in
-        address order, so a batch that replaces an evicted batch stays contiguous.
+        passed. Offsets ascend when the call evicted, so a batch that replaces an evicted batch stays
+        contiguous.
         """
         allocator = self.allocator
         part, tenant = self._part_of(ns_index)
         offsets = allocator.allocate_many(block_bytes, count, hold=True, part=part)
         need = count - len(offsets)
-        if need == 0:
-            return offsets
+        if self.free_reserve.bytes:
+            self.free_reserve.used(block_bytes, part, tenant, evicted=need > 0)
+        if need:
+            self._evict_for(block_bytes, need, part, tenant, keep, deadline)
+            offsets += allocator.allocate_many(block_bytes, need, hold=True, part=part)
+            # The slots free before (the reserve's: the policy's next victims) and those just evicted
+            # (the victims after them) are mostly one address range, but were taken in that order:
+            # ascending, a batch's blocks form long runs, and a long copy is a fast one (measured: a
+            # 512 MiB save split in a few runs of 2 MiB blocks copied 18% slower than one run).
+            offsets.sort()
+        return offsets
+
+    def _evict_for(
+        self,
+        block_bytes: int,
+        need: int,
+        part: int,
+        tenant: str,
+        keep: Sequence[BlockEntry] = (),
+        deadline: float | None = None,
+        max_victims: int | None = None,
+    ) -> bool:
+        """Evicts the policy's victims (whatever their size) until ``need`` slots of this size are free
+        in ``part``; True when they are. It stops early (False) when nothing evictable is left, the
+        deadline passed or ``max_victims`` were evicted.
+
+        A victim of this size frees one slot, and a slab that empties can go to any size. Victims of
+        other sizes leave free slots there that this size cannot use; whenever a slab's worth of those
+        has piled up, a whole slab of another size (no held blocks, the emptiest) is evicted and moves
+        to this size.
+        """
+        allocator = self.allocator
         get = self.index.get
         kept = {entry.key for entry in keep}
 
@@ -524,11 +552,13 @@ class BlockStore:
         # tenant's own recency (policy/tenant_caps.py), the only blocks whose eviction frees room there.
         next_victim = self.policy.next_victim if part == 0 else partial(self.policy.next_victim_of, tenant)
         freed_elsewhere = 0
-        rounds = 0
+        rounds = victims = 0
         while allocator.available(block_bytes, part) < need:
             rounds += 1
             if rounds % 64 == 0 and deadline is not None and time.monotonic() > deadline:
-                break  # grant what is free; the RPC layer undoes everything if the caller has left
+                return False  # grant what is free; the RPC layer undoes everything if the caller has left
+            if max_victims is not None and victims >= max_victims:
+                return False
             if freed_elsewhere >= allocator.slab_bytes:
                 freed_elsewhere = 0
                 if self._move_slab(block_bytes, part):
@@ -536,7 +566,7 @@ class BlockStore:
             victim = next_victim(skip)
             if victim is None:
                 if not self._move_slab(block_bytes, part):
-                    break  # nothing evictable is left
+                    return False  # nothing evictable is left
                 continue
             entry = get(victim)
             if not self._evictable(entry):
@@ -545,10 +575,37 @@ class BlockStore:
                 self.policy.on_remove(victim)
                 continue
             self._evict_dram(entry)
+            victims += 1
             if entry.length != block_bytes:
                 freed_elsewhere += entry.length
-        offsets += allocator.allocate_many(block_bytes, need, hold=True, part=part)
-        return offsets
+        return True
+
+    def refill_reserve(self, max_victims: int) -> bool:
+        """Evicts ahead, at most ``max_victims`` blocks, so that every block size saved lately has its
+        reserve of free slots (store/free_reserve.py); True when that slice was used up and more is
+        to do (the caller lets requests in first), False when every reserve is full or nothing
+        evictable is left."""
+        counters = self.counters
+        budget = max_victims
+        for block_bytes, part, tenant in self.free_reserve.sizes():
+            target = self.free_reserve.slots(block_bytes, self.allocator.part_bytes(part))
+            before = counters.evictions + counters.dram_drops_kept_on_ssd
+            done = self._evict_for(block_bytes, target, part, tenant, max_victims=budget)
+            evicted = counters.evictions + counters.dram_drops_kept_on_ssd - before
+            counters.reserve_evictions += evicted
+            budget -= evicted
+            if not done and budget <= 0:
+                return True
+        return False
+
+    def reserve_low(self) -> bool:
+        """Whether a size saved lately has fewer free slots than its reserve (cheap: per size one sum)."""
+        for block_bytes, part, _ in self.free_reserve.sizes():
+            if self.allocator.available(block_bytes, part) < self.free_reserve.slots(
+                block_bytes, self.allocator.part_bytes(part)
+            ):
+                return True
+        return False
 
     def _part_of(self, ns_index: int | None) -> tuple[int, str]:
         """(the allocator part, the tenant) of a namespace's blocks: 0 and "" unless its tenant has a

@@ -52,6 +52,7 @@ class StoreCounters:
         "no_space_blocks",
         "evictions",
         "dram_drops_kept_on_ssd",
+        "reserve_evictions",
         "promotions_started",
         "promoted_blocks",
         "promoted_bytes",
@@ -187,6 +188,10 @@ class EngineStats:
     evictions: int = counter("pegaflow_evictions", "Blocks dropped to make room (no copy left on this host)")
     dram_drops_kept_on_ssd: int = counter(
         "pegaflow_dram_drops_kept_on_ssd", "DRAM copies dropped to make room while an SSD copy stays"
+    )
+    reserve_evictions: int = counter(
+        "pegaflow_reserve_evictions",
+        "Of the above (both kinds), those made ahead of a save to keep the free-slot reserve",
     )
     admission_rejections: int = counter(
         "pegaflow_admission_rejections", "Blocks the admission policy refused to keep"

@@ -134,6 +134,7 @@ class SlabAllocator:
         for n in part_slabs:
             bounds.append(bounds[-1] + n)
         self._part_of_slab = [p for p in range(len(bounds) - 1) for _ in range(bounds[p], bounds[p + 1])]
+        self._part_bytes = [(bounds[p + 1] - bounds[p]) * slab_bytes for p in range(len(bounds) - 1)]
         # Per part, a min-heap: free slabs are handed out lowest address first, so a batch that needs
         # several gets adjacent ones when there are, and its blocks form one run (one long copy).
         self._free_by_part = [list(range(bounds[p], bounds[p + 1])) for p in range(len(bounds) - 1)]
@@ -152,6 +153,10 @@ class SlabAllocator:
     @property
     def parts(self) -> int:
         return len(self._free_by_part)
+
+    def part_bytes(self, part: int) -> int:
+        """The bytes of ``part``'s slabs."""
+        return self._part_bytes[part]
 
     def part_of(self, offset: int) -> int:
         """The part (0: the shared pool) whose slab holds ``offset``."""
