@@ -63,13 +63,18 @@ SAVE_INTERVAL_S = SAVE_BLOCKS * BLOCK_BYTES * N_SAVERS / 12e9  # 100.7 ms: 12 GB
 QUERY_INTERVAL_S = 1 / 250
 SETTLE_S = 1.0
 SPIN_S = 0.001  # the baselines' client: as our local RPC client (client/local_rpc.py SPIN_S)
-ALL_SYSTEMS = ("asyncio", "uvloop", "zmq", "ours", "ours-5ms", "ours-noinsights", "ours-si", "pegaflow")
+ALL_SYSTEMS = (
+    "asyncio", "uvloop", "zmq", "ours", "ours-5ms", "ours-noinsights", "ours-noreserve", "ours-si",
+    "pegaflow",
+)  # fmt: skip
 # Variants of ours (run_ours): "ours-5ms" leaves CPython's 5 ms GIL switch interval (the GPU data path
 # lowers it to 0.2 ms by default); "ours-noinsights" switches the metrics feeder's miss-ratio curve and
-# savings off (what that background work costs the request threads).
+# savings off (what that background work costs the request threads); "ours-noreserve" runs the server
+# with --free-reserve 0 (saves evict for themselves, no evictions ahead on a thread of their own).
 OURS_VARIANTS = {
     "ours-5ms": {"runtime": {"SWITCH_INTERVAL_S": 1.0}},  # never lowered: CPython's 5 ms stays
     "ours-noinsights": {"no_insights": True},
+    "ours-noreserve": {"args": ["--free-reserve", "0"]},
 }
 
 
@@ -793,6 +798,7 @@ def run_ours(args, out: pathlib.Path, system: str = "ours", switch_interval: flo
         "127.0.0.1:0",
         "--gpu-copy-mode",
         "off" if args.dry_run_cpu else "auto",
+        *OURS_VARIANTS.get(system, {}).get("args", []),
     ]
     log = open(out / f"tail_{system}_server.log", "w")  # noqa: SIM115 - the server's stderr
     t0 = time.monotonic()

@@ -1280,16 +1280,26 @@ class KVEngine:
             self._reserve_wanted.wait()
             self._reserve_wanted.clear()
             more = True
-            while more and not self._stop.is_set():
-                try:
+            try:
+                while more and not self._stop.is_set():
                     with self._locked(None):
                         more = self._store.refill_reserve(RESERVE_SLICE_BLOCKS)
-                except Closed:
-                    return
-                except Exception:
-                    log.exception("free-slot reserve failed; allocations evict for themselves")
-                    break
-                time.sleep(0)  # the GIL to a thread that waits for it (a request that wants the lock)
+                    time.sleep(0)  # the GIL to a thread that waits for it (a request that wants the lock)
+                with self._locked(None):
+                    slots = self._store.take_unzeroed_reserve()
+                if slots:
+                    zeroed = False
+                    try:
+                        # Off the lock: the slots are held out of the allocator, nobody reads or writes them.
+                        self.dram.zero([(offset, block_bytes) for offset, block_bytes, _ in slots])
+                        zeroed = True
+                    finally:
+                        with self._locked(None):
+                            self._store.return_zeroed(slots, zeroed)
+            except Closed:
+                return
+            except Exception:
+                log.exception("free-slot reserve failed; allocations evict for themselves")
 
     def _reap_loop(self) -> None:
         while not self._stop.wait(self.config.reaper_interval_s):

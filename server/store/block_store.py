@@ -125,10 +125,13 @@ class BlockStore:
         # left, drained by the engine after its lock (peers only read DRAM copies: only those count).
         self.publishing = False
         self.published: list[tuple[bool, int, bytes]] = []
-        # The namespace whose block a DRAM slot last held. A slot granted to another namespace is
-        # zeroed before the writer gets it (off the lock, by the engine), so a writer that seals
-        # without writing exposes zeros, never another namespace's bytes (review finding F2).
-        self._slot_owner: dict[int, int] = {}
+        # The namespace whose block a DRAM slot last held, and the slab's assignment then (allocator
+        # .assignment): (ns_index, assignment). A slot granted to a namespace that is not its owner in
+        # this assignment of its slab (another namespace's, or a slot of a slab re-cut since: its bytes
+        # straddle the old slots) is zeroed before the writer gets it (off the lock, by the engine), so
+        # a writer that seals without writing exposes zeros, never another namespace's bytes (review
+        # finding F2). Only a fresh pool's first cut of a slab is known zero.
+        self._slot_owner: dict[int, tuple[int, int]] = {}
         # Per capped tenant (policy/tenant_caps.py): [its own blocks evicted to stay under its cap,
         # new blocks refused at its cap]. Monotonic.
         self.cap_counts: dict[str, list[int]] = {}
@@ -190,15 +193,27 @@ class BlockStore:
             del save.pending[block_hash]
             self.counters.no_space_blocks += 1
         add = self.index.add_writing
-        owners = self._slot_owner
         for block_hash, offset in zip(new_hashes, offsets, strict=False):
             entry = add((ns_index, block_hash), block_bytes, offset, save.id)
             entry.held = True  # the allocation held its slab
             save.pending[block_hash] = entry
-            if owners.get(offset, ns_index) != ns_index:
+            if self._claim_slot(offset, ns_index):
                 save.stale_slots.append(offset)
-            owners[offset] = ns_index
         return statuses, offsets, stored
+
+    def _slot_is_foreign(self, offset: int, ns_index: int) -> bool:
+        """Whether the slot's bytes may be another namespace's (see _slot_owner)."""
+        assignment = self.allocator.assignment(offset)
+        owner = self._slot_owner.get(offset)
+        if owner is None:
+            return assignment > 1
+        return owner != (ns_index, assignment)
+
+    def _claim_slot(self, offset: int, ns_index: int) -> bool:
+        """Records the slot as ``ns_index``'s; True when it must be zeroed first."""
+        foreign = self._slot_is_foreign(offset, ns_index)
+        self._slot_owner[offset] = (ns_index, self.allocator.assignment(offset))
+        return foreign
 
     def seal(self, save, sealing: dict[bytes, BlockEntry]) -> tuple[int, IoBatch | None]:
         """Seals ``sealing`` and restates the save's chain, tail first; returns (bytes sealed, the
@@ -511,7 +526,7 @@ class BlockStore:
         offsets = allocator.allocate_many(block_bytes, count, hold=True, part=part)
         need = count - len(offsets)
         if self.free_reserve.bytes:
-            self.free_reserve.used(block_bytes, part, tenant, evicted=need > 0)
+            self.free_reserve.used(block_bytes, part, tenant, need > 0, -1 if ns_index is None else ns_index)
         if need:
             self._evict_for(block_bytes, need, part, tenant, keep, deadline)
             offsets += allocator.allocate_many(block_bytes, need, hold=True, part=part)
@@ -597,6 +612,43 @@ class BlockStore:
             if not done and budget <= 0:
                 return True
         return False
+
+    def take_unzeroed_reserve(self) -> list[tuple[int, int, int]]:
+        """The reserve's free slots that another namespace's block last held, taken out of the allocator
+        (held, so no allocation gets them) to be zeroed off the lock and handed back with
+        ``return_zeroed``: (offset, block bytes, the namespace they are zeroed for). They are the slots
+        the next save of that size gets, zeroed only when one namespace made the last saves of that
+        size (FreeSlotReserve.sole_saver): after another model's blocks filled the pool, its saves are
+        granted slots already zeroed (engine.allocate_blocks zeroes a foreign slot on the request path
+        otherwise), the memset done while the previous save's client copies."""
+        allocator, out = self.allocator, []
+        for block_bytes, part, _ in self.free_reserve.sizes():
+            ns_index = self.free_reserve.sole_saver(block_bytes, part)
+            if ns_index < 0:
+                continue
+            # Only slots of slabs already cut for this size: taking a free slab would re-cut it.
+            target = min(
+                self.free_reserve.slots(block_bytes, allocator.part_bytes(part)),
+                allocator.free_slots(block_bytes, part),
+            )
+            for offset in allocator.allocate_many(block_bytes, target, hold=True, part=part):
+                if self._slot_is_foreign(offset, ns_index):
+                    out.append((offset, block_bytes, ns_index))
+                else:
+                    allocator.unhold(offset)
+                    allocator.free(offset)
+        return out
+
+    def return_zeroed(self, slots: Sequence[tuple[int, int, int]], zeroed: bool = True) -> None:
+        """Slots of ``take_unzeroed_reserve`` back to the allocator; ``zeroed``: they were, so they are
+        their namespace's now (else they keep their last owner and a grant zeroes them)."""
+        for offset, _, ns_index in slots:
+            if zeroed:
+                self._claim_slot(offset, ns_index)
+            self.allocator.unhold(offset)
+            self.allocator.free(offset)
+        if zeroed:
+            self.counters.reserve_zeroed_blocks += len(slots)
 
     def reserve_low(self) -> bool:
         """Whether a size saved lately has fewer free slots than its reserve (cheap: per size one sum)."""

@@ -24,6 +24,9 @@ from collections.abc import Callable
 IDLE_S = 30.0
 # A part (the pool, a tenant's region) never has more than this share of itself reserved.
 MAX_PART_FRACTION = 1 / 32
+# Reserved slots another namespace held are zeroed ahead only for a namespace that made this many saves
+# of the size in a row (block_store.take_unzeroed_reserve).
+SOLE_SAVER_STREAK = 4
 
 
 def default_reserve_bytes(pool_bytes: int) -> int:
@@ -36,23 +39,39 @@ class FreeSlotReserve:
             raise ValueError(f"reserve_bytes must be a non-negative int, got {reserve_bytes!r}")
         self.bytes = reserve_bytes
         self._clock = clock
-        # (block_bytes, part) -> (tenant, last save) of the sizes saved under pressure.
-        self._sizes: dict[tuple[int, int], tuple[str, float]] = {}
+        # (block_bytes, part) -> (tenant, namespace index of the last save, its time) of the sizes saved
+        # under pressure; and per size how many saves in a row came from that namespace.
+        self._sizes: dict[tuple[int, int], tuple[str, int, float]] = {}
+        self._streak: dict[tuple[int, int], int] = {}
 
-    def used(self, block_bytes: int, part: int, tenant: str, evicted: bool) -> None:
-        """A save allocated slots of this size in ``part``; ``evicted``: it had to evict for them (the
-        block store calls it per allocation)."""
+    def used(self, block_bytes: int, part: int, tenant: str, evicted: bool, ns_index: int = -1) -> None:
+        """A save of namespace ``ns_index`` allocated slots of this size in ``part``; ``evicted``: it had
+        to evict for them (the block store calls it per allocation)."""
         key = (block_bytes, part)
         if evicted or key in self._sizes:
-            self._sizes[key] = (tenant, self._clock())
+            last = self._sizes.get(key)
+            same = last is not None and last[1] == ns_index
+            self._streak[key] = self._streak.get(key, 0) + 1 if same else 1
+            self._sizes[key] = (tenant, ns_index, self._clock())
 
     def sizes(self) -> list[tuple[int, int, str]]:
         """(block_bytes, part, tenant) of the sizes saved under pressure within IDLE_S; older ones are
         forgotten (until a save of theirs evicts again)."""
         now = self._clock()
-        for key in [k for k, (_, last) in self._sizes.items() if now - last > IDLE_S]:
+        for key in [k for k, (_, _, last) in self._sizes.items() if now - last > IDLE_S]:
             del self._sizes[key]
-        return [(block_bytes, part, tenant) for (block_bytes, part), (tenant, _) in self._sizes.items()]
+            self._streak.pop(key, None)
+        return [(block_bytes, part, tenant) for (block_bytes, part), (tenant, _, _) in self._sizes.items()]
+
+    def sole_saver(self, block_bytes: int, part: int) -> int:
+        """The namespace that made the last SOLE_SAVER_STREAK saves of this size in ``part``, -1 when
+        saves of several namespaces interleave (the next saver is then a guess, and slots zeroed for
+        the wrong one would be zeroed twice)."""
+        key = (block_bytes, part)
+        entry = self._sizes.get(key)
+        if entry is None or self._streak.get(key, 0) < SOLE_SAVER_STREAK:
+            return -1
+        return entry[1]
 
     def slots(self, block_bytes: int, part_bytes: int) -> int:
         """Free slots of ``block_bytes`` to keep in a part of ``part_bytes``: at least one."""

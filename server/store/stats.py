@@ -53,6 +53,7 @@ class StoreCounters:
         "evictions",
         "dram_drops_kept_on_ssd",
         "reserve_evictions",
+        "reserve_zeroed_blocks",
         "promotions_started",
         "promoted_blocks",
         "promoted_bytes",
@@ -192,6 +193,10 @@ class EngineStats:
     reserve_evictions: int = counter(
         "pegaflow_reserve_evictions",
         "Of the above (both kinds), those made ahead of a save to keep the free-slot reserve",
+    )
+    reserve_zeroed_blocks: int = counter(
+        "pegaflow_reserve_zeroed_blocks",
+        "Free slots another namespace's block had held, zeroed ahead of the save that gets them",
     )
     admission_rejections: int = counter(
         "pegaflow_admission_rejections", "Blocks the admission policy refused to keep"

@@ -600,3 +600,24 @@ def test_a_slot_another_namespace_held_is_zeroed_before_it_is_granted():
         assert hit.num_hits == 8 and not any(view[o : o + BLOCK].any() for o in hit.offsets)
     finally:
         eng.close()
+
+
+def test_a_slot_of_a_slab_re_cut_for_another_size_is_zeroed_before_it_is_granted():
+    """Review finding F2 across a slab move: the new slots (768 KiB) straddle the old ones (1 MiB), so no
+    old slot's owner names them; they are zeroed all the same, not handed out with the old bytes."""
+    eng = KVEngine(ServerConfig(pool_size_bytes=8 * MIB, http_addr=None, slab_bytes=4 * MIB))
+    try:
+        sid = eng.open_session("t").session_id
+        victim = eng.register_instance(sid, layout(model_id="victim", block_bytes=MIB)).instance_id
+        other = eng.register_instance(sid, layout(model_id="other", block_bytes=768 * 1024)).instance_id
+        for part in (hashes(8, "secret")[:4], hashes(8, "secret")[4:]):  # a session: half the pool at once
+            assert save(eng, sid, victim, part, fill=0xAB) == [AllocStatus.GRANTED] * 4
+        res = eng.allocate_blocks(sid, other, hashes(4, "lazy"))  # a slab of the victim's, re-cut
+        assert res.statuses == [AllocStatus.GRANTED] * 4
+        view = eng.pool_view()
+        assert any(loc.offset % MIB for loc in res.locations)  # slots no old slot started at
+        for loc in res.locations:
+            assert not view[loc.offset : loc.offset + loc.length].any()
+        eng.seal_blocks(sid, res.save_id)
+    finally:
+        eng.close()

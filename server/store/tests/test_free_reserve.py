@@ -3,6 +3,7 @@ never of a pinned block, so that a save into a full pool finds its slots free.""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -10,7 +11,12 @@ import pytest
 from pegaflow.server.config import MIB, ServerConfig
 from pegaflow.server.engine import AllocStatus, KVEngine
 from pegaflow.server.main import build_parser, config_from_args
-from pegaflow.server.store.free_reserve import IDLE_S, FreeSlotReserve, default_reserve_bytes
+from pegaflow.server.store.free_reserve import (
+    IDLE_S,
+    SOLE_SAVER_STREAK,
+    FreeSlotReserve,
+    default_reserve_bytes,
+)
 from pegaflow.server.store.namespace import KvLayout
 
 BLOCK = 256 * 1024
@@ -150,6 +156,17 @@ def test_sizes_are_forgotten_when_idle_and_the_reserve_is_capped_by_the_part():
         FreeSlotReserve(-1)
 
 
+def test_slots_are_zeroed_ahead_only_for_a_namespace_that_saves_alone():
+    reserve = FreeSlotReserve(64 * MIB)
+    for _ in range(SOLE_SAVER_STREAK - 1):
+        reserve.used(BLOCK, 0, "", True, ns_index=1)
+    assert reserve.sole_saver(BLOCK, 0) == -1
+    reserve.used(BLOCK, 0, "", False, ns_index=1)
+    assert reserve.sole_saver(BLOCK, 0) == 1
+    reserve.used(BLOCK, 0, "", False, ns_index=2)  # two models interleave: the next saver is a guess
+    assert reserve.sole_saver(BLOCK, 0) == -1
+
+
 def test_the_cli_default_is_a_64th_of_the_pool_at_most_512mb_and_bad_sizes_are_refused():
     def reserve_of(*args: str) -> int:
         return config_from_args(build_parser().parse_args(list(args))).free_reserve_bytes
@@ -159,3 +176,45 @@ def test_the_cli_default_is_a_64th_of_the_pool_at_most_512mb_and_bad_sizes_are_r
     assert reserve_of("--pool-size", "1gb", "--free-reserve", "0") == 0
     with pytest.raises(ValueError, match="--free-reserve"):
         reserve_of("--pool-size", "1gb", "--free-reserve", "512mb")  # over a quarter of the pool
+
+
+def test_slots_another_namespace_held_are_zeroed_ahead_so_the_save_that_gets_them_zeroes_nothing():
+    eng, sid, iid = make(RESERVE)
+    try:
+        other = eng.register_instance(
+            sid, KvLayout(model_id="other", block_bytes=BLOCK, dtype="bf16")
+        ).instance_id
+        view = eng.pool_view()
+        for lo in range(0, 256, 64):  # the pool full of the other namespace's bytes (0xAB)
+            res = eng.allocate_blocks(sid, other, hashes(256, "x")[lo : lo + 64])
+            for loc in res.locations:
+                view[loc.offset : loc.offset + loc.length] = 0xAB
+            eng.seal_blocks(sid, res.save_id)
+        on_request_thread: list = []  # slots zeroed by the calls of this (the request) thread
+        zero, me = eng.dram.zero, threading.current_thread()
+
+        def recording_zero(slots):
+            if threading.current_thread() is me:
+                on_request_thread.extend(slots)
+            zero(slots)
+
+        eng.dram.zero = recording_zero
+        save(eng, sid, iid, hashes(8, "a"))  # evicts for itself: its 8 slots zeroed on this thread
+        assert len(on_request_thread) == 8
+        time.sleep(0.05)
+        # One save is no streak: nothing zeroed ahead for a namespace that may not save next.
+        assert eng.stats().reserve_zeroed_blocks == 0
+        for n in range(1, SOLE_SAVER_STREAK):  # "m" keeps saving: the sole saver of that size
+            save(eng, sid, iid, hashes(8, f"a{n}"))
+        until = time.monotonic() + 5
+        while eng.stats().reserve_zeroed_blocks < 8 and time.monotonic() < until:
+            time.sleep(0.01)
+        assert eng.stats().reserve_zeroed_blocks == 8  # the reserve's 8 slots, zeroed for "m" ahead
+        on_request_thread.clear()
+        res = eng.allocate_blocks(sid, iid, hashes(8, "b"))
+        assert on_request_thread == []  # nothing left to zero on the request path
+        for loc in res.locations:  # and nothing of the other namespace's is exposed
+            assert not view[loc.offset : loc.offset + loc.length].any()
+        eng.seal_blocks(sid, res.save_id)
+    finally:
+        eng.close()

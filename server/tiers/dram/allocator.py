@@ -138,6 +138,12 @@ class SlabAllocator:
         # Per part, a min-heap: free slabs are handed out lowest address first, so a batch that needs
         # several gets adjacent ones when there are, and its blocks form one run (one long copy).
         self._free_by_part = [list(range(bounds[p], bounds[p + 1])) for p in range(len(bounds) - 1)]
+        # Per slab, how many times it was cut into slots of a stride other than its last one (0: never
+        # cut). A slot of a slab re-cut so straddles the old slots, whose bytes it holds: the block
+        # store zeroes such a slot before granting it (see assignment()). A slab freed and cut again for
+        # the same stride has the same slots, holding what they held.
+        self._assignments = [0] * self.total_slabs
+        self._last_stride = [0] * self.total_slabs
         self._classes: dict[tuple[int, int], _SizeClass] = {}  # (part, block bytes) -> its slabs
         self.used_bytes = 0
         self.slab_moves = 0  # slabs reassigned from one size to another
@@ -153,6 +159,13 @@ class SlabAllocator:
     @property
     def parts(self) -> int:
         return len(self._free_by_part)
+
+    def assignment(self, offset: int) -> int:
+        """How many times the slab holding ``offset`` was cut into slots of a new stride, this cut
+        included: 1 for a slab of a fresh pool cut for one stride only (its slots hold the pool's zeros
+        or what a block of that slot wrote), more once it held slots of another stride (or of a pool
+        restored from a previous process)."""
+        return self._assignments[offset // self.slab_bytes]
 
     def part_bytes(self, part: int) -> int:
         """The bytes of ``part``'s slabs."""
@@ -210,6 +223,11 @@ class SlabAllocator:
             self.slab_bytes // slot_stride(block_bytes, self.slot_align)
         )
 
+    def free_slots(self, block_bytes: int, part: int = 0) -> int:
+        """Free slots of this size in ``part``'s slabs already cut for it (free slabs not counted)."""
+        cls = self._classes.get((part, block_bytes))
+        return cls.free_slots if cls is not None else 0
+
     def free(self, offset: int) -> None:
         """Returns a slot. An emptied slab goes back to its part's free list, available to any size."""
         slab = self._slab_at(offset)
@@ -246,6 +264,7 @@ class SlabAllocator:
             if slab is None:
                 self._free_by_part[part].remove(index)
                 slab = self._assign_slab(cls, index)
+                self._assignments[index] += 1  # its free slots hold what the previous process left there
             rel = offset - slab.base
             if slab.block_bytes != block_bytes or rel % slab.stride or rel // slab.stride >= slab.nslots:
                 refused.append((offset, block_bytes))
@@ -373,6 +392,9 @@ class SlabAllocator:
 
     def _assign_slab(self, cls: _SizeClass, index: int) -> _Slab:
         nslots = self.slab_bytes // cls.stride
+        if self._last_stride[index] != cls.stride:
+            self._assignments[index] += 1
+            self._last_stride[index] = cls.stride
         slab = _Slab(
             index, self._part_of_slab[index], index * self.slab_bytes, cls.block_bytes, cls.stride, nslots
         )
