@@ -46,7 +46,7 @@ from pegaflow.common.wire.types import AllocStatus, Tier
 from pegaflow.server.policy.base import EvictionPolicy
 from pegaflow.server.policy.placement import SsdPlacement
 from pegaflow.server.policy.tenant_caps import TenantCappedPolicy
-from pegaflow.server.store.free_reserve import FreeSlotReserve
+from pegaflow.server.store.free_reserve import ZERO_AHEAD_MAX_BYTES, FreeSlotReserve
 from pegaflow.server.store.index import NO_SLOT, SEALED, WRITING, BlockEntry, BlockIndex, BlockKey
 from pegaflow.server.store.namespace import NamespaceTable, block_tag
 from pegaflow.server.store.stats import StoreCounters
@@ -630,6 +630,7 @@ class BlockStore:
             target = min(
                 self.free_reserve.slots(block_bytes, allocator.part_bytes(part)),
                 allocator.free_slots(block_bytes, part),
+                max(1, ZERO_AHEAD_MAX_BYTES // block_bytes),
             )
             for offset in allocator.allocate_many(block_bytes, target, hold=True, part=part):
                 if self._slot_is_foreign(offset, ns_index):
