@@ -12,6 +12,9 @@ import numpy as np
 import pytest
 
 from pegaflow.client import KvLayout, PegaClient, write_blocks
+from pegaflow.server.config import MIB, ServerConfig
+from pegaflow.server.engine import KVEngine
+from pegaflow.server.store.namespace import KvLayout as EngineLayout
 from pegaflow.server.testing import ServerProcess, wait_for
 
 pytestmark = pytest.mark.timeout(240)
@@ -105,3 +108,44 @@ def test_two_servers_never_share_one_persistent_pool(tmp_path, pool_dir):
         assert "another pegaflow-server uses this pool" in str(info.value) + other.log_text()
     finally:
         srv.stop()
+
+
+def test_a_reused_pool_file_whose_blocks_were_not_adopted_is_zeroed_before_a_grant(pool_dir):
+    """F2 across a restart: slots that no adopted block holds still hold what the previous process wrote
+    (here: its journal lost, so nothing is adopted); a writer that seals without writing must get zeros."""
+
+    def engine() -> KVEngine:
+        return KVEngine(
+            ServerConfig(pool_size_bytes=16 * MIB, http_addr=None, pool_dir=pool_dir, persist_pool=True)
+        )
+
+    first = engine()
+    try:
+        sid = first.open_session("t").session_id
+        iid = first.register_instance(
+            sid, EngineLayout(model_id="victim", block_bytes=BLOCK, dtype="bf16")
+        ).instance_id
+        res = first.allocate_blocks(sid, iid, hashes("secret", 8))
+        view = first.pool_view()
+        for loc in res.locations:
+            view[loc.offset : loc.offset + loc.length] = 0xAB
+        first.seal_blocks(sid, res.save_id)
+        written = [loc.offset for loc in res.locations]
+    finally:
+        first.close()
+    os.remove(os.path.join(pool_dir, "pegaflow-pool.journal"))  # nothing will be adopted
+    second = engine()
+    try:
+        assert second.region.reused
+        sid = second.open_session("t").session_id
+        iid = second.register_instance(
+            sid, EngineLayout(model_id="lazy", block_bytes=BLOCK, dtype="bf16")
+        ).instance_id
+        res = second.allocate_blocks(sid, iid, hashes("lazy", 8))
+        view = second.pool_view()
+        assert sorted(loc.offset for loc in res.locations) == sorted(written)  # the same slots again
+        for loc in res.locations:
+            assert not view[loc.offset : loc.offset + loc.length].any()
+        second.seal_blocks(sid, res.save_id)
+    finally:
+        second.close()

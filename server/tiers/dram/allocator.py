@@ -167,6 +167,12 @@ class SlabAllocator:
         restored from a previous process)."""
         return self._assignments[offset // self.slab_bytes]
 
+    def forget_contents(self) -> None:
+        """Every slab's bytes are unknown from now on (a pool file a previous process wrote): its
+        first cut counts as a re-cut (assignment() > 1), so the block store zeroes each slot before
+        its first grant."""
+        self._assignments = [max(n, 1) for n in self._assignments]
+
     def part_bytes(self, part: int) -> int:
         """The bytes of ``part``'s slabs."""
         return self._part_bytes[part]
