@@ -1218,11 +1218,11 @@ class KVEngine:
                 orphaned += 1
             else:
                 candidates.append((block, key))
-        refused = set(self.allocator.restore([(b.offset, b.length) for b, _ in candidates]))
         if self.region.reused:
             # What the previous process left in slots no adopted block holds is not zeros: a slot is
             # zeroed before its first grant (F2: a seal of unwritten bytes exposes nothing).
             self.allocator.forget_contents()
+        refused = set(self.allocator.restore([(b.offset, b.length) for b, _ in candidates]))
         for block, (ns_index, block_hash) in candidates:
             if (block.offset, block.length) in refused:
                 continue

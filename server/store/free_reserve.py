@@ -1,8 +1,9 @@
 """The free-slot reserve: free DRAM slots kept ahead of the saves that will need them.
 
 A save's AllocateBlocks used to evict its own victims on the request path: under a full pool that
-was about half of the call (64 blocks of 256 KiB: 291 of 153 + 138 us in the engine on the 2-vCPU
-dev VM; bench/server_bench.py). Like a kernel's free-page watermark, the engine now evicts the
+was about half of the call (64 blocks of 256 KiB on the 2-vCPU dev VM: 291 us in the engine against
+153 us with free slots; the effect through a real server is bench/free_reserve_ab.py's). Like a
+kernel's free-page watermark, the engine now evicts the
 policy's next victims ahead, in short slices under its lock, on a thread of its own, while the client
 is still copying its bytes, so the next allocation finds free slots. The policy's order is unchanged:
 the reserve only evicts earlier what the next saves would have evicted anyway, and costs at most its

@@ -163,8 +163,8 @@ class SlabAllocator:
     def assignment(self, offset: int) -> int:
         """How many times the slab holding ``offset`` was cut into slots of a new stride, this cut
         included: 1 for a slab of a fresh pool cut for one stride only (its slots hold the pool's zeros
-        or what a block of that slot wrote), more once it held slots of another stride (or of a pool
-        restored from a previous process)."""
+        or what a block of that slot wrote), more once it held slots of another stride or its bytes
+        were forgotten (forget_contents)."""
         return self._assignments[offset // self.slab_bytes]
 
     def forget_contents(self) -> None:
@@ -270,7 +270,6 @@ class SlabAllocator:
             if slab is None:
                 self._free_by_part[part].remove(index)
                 slab = self._assign_slab(cls, index)
-                self._assignments[index] += 1  # its free slots hold what the previous process left there
             rel = offset - slab.base
             if slab.block_bytes != block_bytes or rel % slab.stride or rel // slab.stride >= slab.nslots:
                 refused.append((offset, block_bytes))
