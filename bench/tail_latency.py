@@ -46,6 +46,7 @@ import queue
 import select
 import signal
 import socket
+import statistics
 import struct
 import subprocess
 import sys
@@ -65,16 +66,19 @@ SETTLE_S = 1.0
 SPIN_S = 0.001  # the baselines' client: as our local RPC client (client/local_rpc.py SPIN_S)
 ALL_SYSTEMS = (
     "asyncio", "uvloop", "zmq", "ours", "ours-5ms", "ours-noinsights", "ours-noreserve", "ours-si",
-    "pegaflow",
+    "ours-sketch-thread", "pegaflow",
 )  # fmt: skip
 # Variants of ours (run_ours): "ours-5ms" leaves CPython's 5 ms GIL switch interval (the GPU data path
-# lowers it to 0.2 ms by default); "ours-noinsights" switches the metrics feeder's miss-ratio curve and
-# savings off (what that background work costs the request threads); "ours-noreserve" runs the server
-# with --free-reserve 0 (saves evict for themselves, no evictions ahead on a thread of their own).
+# lowers it to 0.2 ms by default); "ours-noinsights" switches the lookup sketches (HLL ceiling and
+# miss-ratio curve) and the savings off (what that background work costs the request threads);
+# "ours-sketch-thread" runs the sketches on the server's metrics feeder thread as before 2026-12-04
+# (--lookup-sketches thread) instead of their own process; "ours-noreserve" runs the server with
+# --free-reserve 0 (saves evict for themselves, no evictions ahead on a thread of their own).
 OURS_VARIANTS = {
     "ours-5ms": {"runtime": {"SWITCH_INTERVAL_S": 1.0}},  # never lowered: CPython's 5 ms stays
     "ours-noinsights": {"no_insights": True},
     "ours-noreserve": {"args": ["--free-reserve", "0"]},
+    "ours-sketch-thread": {"args": ["--lookup-sketches", "thread"]},
 }
 
 
@@ -780,7 +784,10 @@ def run_ours(args, out: pathlib.Path, system: str = "ours", switch_interval: flo
         "    service.GpuOptions = functools.partial(service.GpuOptions, **v['gpu_options'])\n"
         "if v.get('no_insights'):\n"
         "    from pegaflow.server.metrics.lookup_insights import LookupInsights\n"
-        "    LookupInsights.add_lookups = lambda self, lookups: None\n"
+        "    from pegaflow.server.metrics.lookup_sketches import LookupSketches\n"
+        "    from pegaflow.server.metrics.sketch_process import SketchProcess\n"
+        "    LookupInsights.add_hits = lambda self, lookups: None\n"
+        "    LookupSketches.add = SketchProcess.add = lambda self, records: None\n"
         "if interval > 0: sys.setswitchinterval(interval)\n"
         "from pegaflow.server.main import main; sys.exit(main(sys.argv[1:]))"
     )
@@ -1066,6 +1073,33 @@ def rows_of(report: dict) -> list[tuple[str, str, dict]]:
     return rows
 
 
+def merge(reports: list[dict]) -> dict:
+    """Several runs of the same systems as one report: per cell the median over the runs (the fields
+    ``p50_us`` ...), the worst (``*_worst``: the largest) and every run's value (``*_runs``)."""
+    cells: dict[tuple[str, str], list[dict]] = {}
+    for report in reports:
+        for label, cond, cell in rows_of(report):
+            cells.setdefault((label, cond), []).append(cell)
+    systems: dict[str, dict] = {}
+    for (label, cond), runs in cells.items():
+        merged: dict = {"n_runs": len(runs)}
+        for stat in ("p50_us", "p99_us", "p999_us"):
+            values = [r[stat] for r in runs]
+            merged[stat] = statistics.median(values)
+            merged[f"{stat}_worst"] = max(values)
+            merged[f"{stat}_runs"] = values
+        system, _, transport = label.rpartition("-") if label.startswith("ours") else (label, "", "")
+        target = systems.setdefault(system, {})
+        (target.setdefault(transport, {}) if transport else target)[cond] = merged
+    return dict(
+        started=[r.get("started") for r in reports],
+        args=reports[0].get("args"),
+        workload=reports[0].get("workload"),
+        merged_runs=len(reports),
+        systems=systems,
+    )
+
+
 def plot(report: dict, path: pathlib.Path) -> None:
     """Like the seed's figure 3: per server, p50 and p99 idle vs under load (log scale; p999 ticks)."""
     import matplotlib
@@ -1095,6 +1129,14 @@ def plot(report: dict, path: pathlib.Path) -> None:
                 ys.append(cell[stat])
                 tails.append(cell["p999_us"])
             ax.bar(xs, ys, w, color=colors[cond], label=names[cond])
+            worst = [
+                next(r[2] for r in rows if r[0] == label and r[1] == cond).get(f"{stat}_worst")
+                for label in labels
+                if any(r[0] == label and r[1] == cond for r in rows)
+            ]
+            if all(v is not None for v in worst):  # a merged report: the worst run of each cell
+                label = "worst run" if k == 0 else None
+                ax.scatter(xs, worst, marker="v", s=14, color="0.3", zorder=3, label=label)
             for x, y in zip(xs, ys, strict=True):
                 ax.text(x, y * 1.05, f"{y:.0f}", ha="center", fontsize=6)
             if stat == "p99_us":
@@ -1102,7 +1144,7 @@ def plot(report: dict, path: pathlib.Path) -> None:
                     xs, tails, marker="_", s=120, color="k", zorder=3, label="p999" if k == 0 else None
                 )
         ax.set_yscale("log")
-        ax.set_xticks(range(len(labels)), labels, fontsize=8)
+        ax.set_xticks(range(len(labels)), labels, fontsize=8, rotation=20, ha="right")
         ax.set_title(f"{stat[:-3]} of a 64-hash query + lease (us)", fontsize=10)
         ax.legend(fontsize=7)
     fig.suptitle(
@@ -1129,6 +1171,9 @@ def main() -> None:
     ap.add_argument("--anchor-site", default="", help="PegaFlow's install (else the pegaflow row is skipped)")
     ap.add_argument("--dry-run-cpu", action="store_true", help="no GPU: host saves, small pools")
     ap.add_argument("--plot", metavar="JSON")
+    ap.add_argument(
+        "--merge", nargs="+", metavar="JSON", help="runs' tail_latency.json -> --out DIR: medians and worst"
+    )
     ap.add_argument("--load-worker", help=argparse.SUPPRESS)
     ap.add_argument("--pegaflow-worker", help=argparse.SUPPRESS)
     ap.add_argument("--baseline-server", nargs=4, help=argparse.SUPPRESS)
@@ -1145,6 +1190,18 @@ def main() -> None:
         return
     if args.plot:
         plot(json.loads(pathlib.Path(args.plot).read_text()), pathlib.Path(args.plot).with_suffix(".png"))
+        return
+    if args.merge:
+        report = merge([json.loads(pathlib.Path(p).read_text()) for p in args.merge])
+        out = pathlib.Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "tail_latency.json").write_text(json.dumps(report, indent=1, default=str))
+        plot(report, out / "tail_latency.png")
+        for label, cond, cell in rows_of(report):
+            print(
+                f"{label:26s} {cond:15s} p50 {cell['p50_us']:7.0f} (worst {cell['p50_us_worst']:7.0f})  "
+                f"p99 {cell['p99_us']:7.0f} (worst {cell['p99_us_worst']:7.0f})"
+            )
         return
     if args.dry_run_cpu:
         args.baseline_pool_bytes = min(args.baseline_pool_bytes, 1 << 30)

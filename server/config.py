@@ -70,6 +70,9 @@ class ServerConfig:
     hll_windows: dict[str, float] = dataclasses.field(
         default_factory=lambda: {"15m": 900.0, "1h": 3600.0, "24h": 86400.0}
     )
+    # Where the lookup sketches (HLL ceiling, miss-ratio curve) run: "process", a child of the server
+    # (metrics/sketch_process.py; the CLI's default), or "thread", the metrics feeder thread.
+    lookup_sketches: str = "thread"
     # Unix socket that passes the pool fd; None = a fresh path under the system temp dir.
     fd_socket_path: str | None = None
     # Liveness: a client heartbeats every session_ttl_s / 5; silence for session_ttl_s kills its session.
@@ -167,6 +170,8 @@ class ServerConfig:
         parse_host_port(self.addr)
         if self.http_addr is not None:
             parse_host_port(self.http_addr)
+        if self.lookup_sketches not in ("process", "thread"):
+            raise ValueError(f"lookup_sketches must be process or thread, got {self.lookup_sketches!r}")
         for name, seconds in self.hll_windows.items():
             if seconds <= 0:
                 raise ValueError(f"hll window {name!r} must be positive")

@@ -98,6 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(units ms, s, m, h, d; default 15m,1h,24h)",
     )
     p.add_argument(
+        "--lookup-sketches",
+        choices=("process", "thread"),
+        default="process",
+        help="where the HyperLogLog ceiling and the miss-ratio curve run: a child process (default: "
+        "their per-key Python stays off the request path's GIL) or the server's metrics thread",
+    )
+    p.add_argument(
         "--fd-socket-path",
         default=None,
         help="Unix socket on which local clients receive the pool's fd "
@@ -380,6 +387,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         ),
         enable_lfu_admission=args.enable_lfu_admission,
         hll_windows=args.metric_hll_windows,
+        lookup_sketches=args.lookup_sketches,
         fd_socket_path=args.fd_socket_path,
         session_ttl_s=args.session_ttl,
         write_timeout_s=args.write_timeout,

@@ -228,7 +228,9 @@ def start_server(config: ServerConfig) -> RunningServer:
         raise_open_file_limit()  # every local client costs a few descriptors (issue 12 F4)
         # Before the pool exists: a credential file that cannot be used refuses the start at once.
         server.access = access = RemoteAccess.load(config)
-        server.metrics = ServerMetrics(config.hll_windows, model_names=access.model_names)
+        server.metrics = ServerMetrics(
+            config.hll_windows, model_names=access.model_names, sketches=config.lookup_sketches
+        )
         server.metrics.registry.register(RefusalCollector(access.server, "pegaflow_rpc_unauthenticated"))
         foreground = foreground_priority(config)
         ssd = open_ssd_tier(config, foreground)

@@ -54,3 +54,20 @@ def test_an_asyncio_baseline_answers_queries_and_saves():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_merged_runs_give_each_cell_its_median_and_worst_run():
+    def run(p99_local: float, p99_asyncio: float) -> dict:
+        cell = lambda p99: {"p50_us": p99 / 4, "p99_us": p99, "p999_us": p99 * 2}  # noqa: E731
+        return {
+            "systems": {
+                "ours-sketch-thread": {"local": {"idle": cell(p99_local)}},
+                "asyncio": {"idle": cell(p99_asyncio)},
+            }
+        }
+
+    merged = tl.merge([run(500, 90), run(1300, 80), run(550, 100)])
+    local = merged["systems"]["ours-sketch-thread"]["local"]["idle"]
+    assert (local["p99_us"], local["p99_us_worst"], local["p99_us_runs"]) == (550, 1300, [500, 1300, 550])
+    assert merged["systems"]["asyncio"]["idle"]["p99_us"] == 90 and merged["merged_runs"] == 3
+    assert [label for label, _, _ in tl.rows_of(merged)] == ["ours-sketch-thread-local", "asyncio"]

@@ -1,14 +1,14 @@
-"""What the stream of lookups says beyond hits and misses: the miss-ratio curve (what more or less
-DRAM would buy) and the savings (prefill tokens and seconds the cache spared), as Prometheus
-families.
+"""What the stream of lookups says beyond hits and misses, as Prometheus families: the miss-ratio
+curve (what more or less DRAM would buy; computed by the lookup sketches, lookup_sketches.py, read
+here from their snapshot) and the savings (prefill tokens and seconds the cache spared, kept here).
 
-One object is both the sink of the metrics feeder (``add_lookups``: the batch of LOOKUP
-queries ServerMetrics' feeder thread drains off the request path, the same batch the HLL ceiling
-gets) and a collector of the server's registry (``collect``). It owns no thread.
+One object is both a sink of the metrics feeder (``add_hits``: the batch of LOOKUP queries
+ServerMetrics' feeder thread drains off the request path) and a collector of the server's registry
+(``collect``). It owns no thread.
 
-    insights = LookupInsights(windows, registry)      # in ServerMetrics.__init__: registers itself
-    insights.bind(capacity_bytes, engine.namespace_at) # once the engine exists
-    insights.add_lookups([(ns_index, hashes, hits), ...])   # the feeder, per drained batch
+    insights = LookupInsights(windows, registry)        # in ServerMetrics.__init__: registers itself
+    insights.bind(engine.namespace_at, sketch_snapshot) # once the engine exists
+    insights.add_hits([(ns_index, hashes, hits), ...])  # the feeder, per drained batch
     insights.report_prefill(namespace_id, tokens, seconds)  # the engine's measured prefill cost (RPC)
 
 Exported (names are part of ops/grafana and ops/prometheus; cardinality: 5 factors x windows, and
@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from pegaflow.server.metrics.miss_ratio_curve import POOL_FACTORS, MissRatioCurve
+from pegaflow.server.metrics.lookup_sketches import SketchSnapshot
 from pegaflow.server.metrics.model_names import SHOWN, ModelNames
 from pegaflow.server.metrics.savings import OVERFLOW, PrefillSavings
 
@@ -59,15 +59,16 @@ class LookupInsights:
         self,
         windows: dict[str, float],
         registry=None,
-        mrc_options: dict | None = None,
         model_names: ModelNames = SHOWN,
+        sketches: Callable[[], SketchSnapshot | None] | None = None,
     ):
         """``registry``: a prometheus_client CollectorRegistry to register with (or None);
-        ``model_names``: the model label as exported (model_names.py: the id, or its digest)."""
+        ``model_names``: the model label as exported (model_names.py: the id, or its digest);
+        ``sketches``: returns the lookup sketches' current snapshot (lookup_sketches.py), or None
+        while there is none (the miss-ratio families are then left out)."""
         self.windows = dict(windows)
         self._model_names = model_names
-        self._mrc_options = dict(mrc_options or {})
-        self.mrc: MissRatioCurve | None = None
+        self._sketches = sketches or (lambda: None)
         self.savings = PrefillSavings()
         self._namespace_at: Callable[[int], object] | None = None
         self._namespaces: dict[int, _NamespaceInfo] = {}
@@ -76,41 +77,40 @@ class LookupInsights:
         if registry is not None:
             registry.register(self)
 
-    def bind(self, capacity_bytes: int, namespace_at: Callable[[int], object]) -> None:
-        """``capacity_bytes``: the DRAM pool's (the MRC's 1x); ``namespace_at(index)``: the
-        engine's namespace of a block key's index (an object with id, model_id, block_bytes and
-        layout.block_tokens). Namespaces are never renumbered, so each is looked up once."""
+    def bind(
+        self, namespace_at: Callable[[int], object], sketches: Callable[[], SketchSnapshot | None]
+    ) -> None:
+        """``namespace_at(index)``: the engine's namespace of a block key's index (an object with id,
+        model_id, block_bytes and layout.block_tokens). Namespaces are never renumbered, so each is
+        looked up once."""
         with self._lock:
-            self.mrc = MissRatioCurve(capacity_bytes, self.windows, **self._mrc_options)
             self._namespace_at = namespace_at
+            self._sketches = sketches
 
-    def _namespace(self, index: int) -> _NamespaceInfo:
+    def block_bytes(self, ns_index: int) -> int:
+        """The namespace's block size, 0 for one released since (and for one before ``bind``)."""
+        with self._lock:
+            info = self._namespace(ns_index)
+        return info.block_bytes if info is not None else 0
+
+    def _namespace(self, index: int) -> _NamespaceInfo | None:
         info = self._namespaces.get(index)
-        if info is None:
-            info = self._namespaces[index] = _NamespaceInfo(index, self._namespace_at(index))
+        if info is None and self._namespace_at is not None:
+            try:
+                info = self._namespaces[index] = _NamespaceInfo(index, self._namespace_at(index))
+            except KeyError:  # released since the lookup (idle namespaces are): nothing to price
+                if index not in self._unknown:
+                    self._unknown.add(index)
+                    log.info("lookup insights: namespace %d was released; its lookups are not priced", index)
         return info
 
-    def add_lookups(self, lookups: Sequence[tuple[int, Sequence[bytes], int]]) -> None:
+    def add_hits(self, lookups: Sequence[tuple[int, Sequence[bytes], int]]) -> None:
         """LOOKUP queries in the order they ran: (namespace index, requested hashes, leading hits)."""
         with self._lock:
-            if self.mrc is None or not lookups:
-                return
-            keys: list[bytes] = []
-            sizes: list[int] = []
-            for ns_index, hashes, hits in lookups:
-                try:
-                    ns = self._namespace(ns_index)
-                except KeyError:  # released since the lookup (idle namespaces are): nothing to price
-                    if ns_index not in self._unknown:
-                        self._unknown.add(ns_index)
-                        log.info("lookup insights: namespace %d was released; lookups skipped", ns_index)
-                    continue
-                # Tail first: the engine leaves a chain's head the most recent (see miss_ratio_curve).
-                prefix = ns.prefix
-                keys.extend([prefix + h for h in reversed(hashes)])
-                sizes.extend([ns.block_bytes] * len(hashes))
-                self.savings.add_hits(ns.id, ns.model_id, ns.block_tokens, hits)
-            self.mrc.add(keys, sizes)
+            for ns_index, _hashes, hits in lookups:
+                ns = self._namespace(ns_index)
+                if ns is not None:
+                    self.savings.add_hits(ns.id, ns.model_id, ns.block_tokens, hits)
 
     def report_prefill(
         self, namespace_id: str, model_id: str, computed_tokens: int, prefill_seconds: float
@@ -121,34 +121,36 @@ class LookupInsights:
     # ------------------------------------------------------------- collector
 
     def collect(self):
-        mrc = self.mrc
-        if mrc is not None:
+        snap = self._sketches()
+        if snap is not None:
             predicted = GaugeMetricFamily(
                 "pegaflow_mrc_predicted_hit_rate",
                 "Block hit rate LRU would reach with pool_factor x this DRAM pool's bytes, over the window "
                 "(SHARDS miss-ratio curve)",
                 labels=["pool_factor", "window"],
             )
-            for window in self.windows:
-                for factor, rate in mrc.predicted_hit_rates(window, POOL_FACTORS).items():
+            for window, rates in snap.mrc_predicted.items():
+                for factor, rate in rates.items():
                     predicted.add_metric([factor_label(factor), window], rate)
             yield predicted
             yield _gauge(
-                "pegaflow_mrc_sampling_rate", "SHARDS sampling rate R of the miss-ratio curve", mrc.rate
+                "pegaflow_mrc_sampling_rate", "SHARDS sampling rate R of the miss-ratio curve", snap.mrc_rate
             )
             yield _gauge(
                 "pegaflow_mrc_tracked_keys",
                 "Block keys the miss-ratio curve tracks (bounded)",
-                mrc.tracked_keys,
+                snap.mrc_tracked_keys,
             )
             yield _gauge(
-                "pegaflow_mrc_memory_bytes", "Approximate memory of the miss-ratio curve", mrc.memory_bytes()
+                "pegaflow_mrc_memory_bytes",
+                "Approximate memory of the miss-ratio curve",
+                snap.mrc_memory_bytes,
             )
             sampled = CounterMetricFamily(
                 "pegaflow_mrc_sampled_requests",
                 "Block requests that went through the miss-ratio curve's sample",
             )
-            sampled.add_metric([], mrc.sampled_requests)
+            sampled.add_metric([], snap.mrc_sampled_requests)
             yield sampled
         families = {
             "served": CounterMetricFamily(

@@ -4,9 +4,12 @@ Its own registry (not prometheus-client's global one) so tests and embedded
 servers in one process do not clash. Engine state is read at scrape time by a
 custom collector (one short engine lock per scrape); the query path itself only
 appends to a deque. A feeder thread drains that deque into the HyperLogLog
-hit-rate ceiling and the measured windowed hit rate, so neither the HLL work
-nor a scrape can stall a query. The feeder also yields the GIL to engine calls
-in flight: it feeds in short slices between them (foreground.py).
+measured windowed hit rate and hands the lookups to the lookup sketches (the
+HyperLogLog hit-rate ceiling and the miss-ratio curve, lookup_sketches.py), by
+default in a process of their own (sketch_process.py: their per-key Python no
+longer shares the request path's GIL), so neither that work nor a scrape can
+stall a query. The feeder also yields the GIL to engine calls in flight: it
+feeds in short slices between them (foreground.py).
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pegaflow.server.engine import EngineObserver, KVEngine
 from pegaflow.server.metrics.foreground import ForegroundActivity
-from pegaflow.server.metrics.hll_ceiling import HitRateCeiling
 from pegaflow.server.metrics.lookup_insights import LookupInsights
+from pegaflow.server.metrics.lookup_sketches import LookupRecord, LookupSketches, SketchSnapshot
 from pegaflow.server.metrics.model_names import SHOWN, ModelNames
+from pegaflow.server.metrics.sketch_process import SketchProcess
 from pegaflow.server.metrics.windowed_rate import WindowedHitRate
 from pegaflow.server.store.stats import TENANT_METRICS, TIER_METRICS, metric_fields
 
@@ -47,14 +51,25 @@ FEED_SLICE_KEYS = 16
 MAX_FEED_DEFER_S = 0.1
 FORCED_FEED_S = 0.05
 BUSY_PAUSE_S = 0.0005
+SKETCH_MODES = ("process", "thread")
+# With the sketches in their own process a slice costs the feeder a frame's packing per lookup, not
+# the sketches' per-key work: slices are that much longer (one frame, one write each).
+PROCESS_FEED_SLICE_KEYS = 1024
 
 
 class ServerMetrics(EngineObserver):
     """The engine's observer and the Prometheus registry of one server."""
 
-    def __init__(self, windows: dict[str, float], model_names: ModelNames = SHOWN):
-        """``model_names``: how model ids appear in labels and GetStats (model_names.py)."""
+    def __init__(self, windows: dict[str, float], model_names: ModelNames = SHOWN, sketches: str = "thread"):
+        """``model_names``: how model ids appear in labels and GetStats (model_names.py);
+        ``sketches``: where the lookup sketches run, ``"process"`` (sketch_process.py) or
+        ``"thread"`` (this interpreter, on the feeder thread)."""
+        if sketches not in SKETCH_MODES:
+            raise ValueError(f"sketches must be one of {', '.join(SKETCH_MODES)}, got {sketches!r}")
         self.windows = dict(windows)
+        self.sketch_mode = sketches
+        self.feed_slice_keys = PROCESS_FEED_SLICE_KEYS if sketches == "process" else FEED_SLICE_KEYS
+        self.sketches: LookupSketches | SketchProcess | None = None
         self.model_names = model_names
         self.registry = CollectorRegistry(auto_describe=False)
         self.rpc_duration = Histogram(
@@ -95,11 +110,10 @@ class ServerMetrics(EngineObserver):
             registry=self.registry,
         )
         self.hit_rate = WindowedHitRate(self.windows)
-        self.ceiling = HitRateCeiling(self.windows)
         self.dropped_lookups = 0
         self._engine: KVEngine | None = None
         self._pending: deque[tuple[int, Sequence[bytes], int]] = deque()
-        self._state_lock = threading.Lock()  # hit_rate and ceiling: feeder writes, scrapes read
+        self._state_lock = threading.Lock()  # hit_rate: feeder writes, scrapes read
         self._wake = threading.Event()
         self._stop = threading.Event()
         # Engine calls in flight (the handler frame counts them): the feeder yields to them.
@@ -112,7 +126,13 @@ class ServerMetrics(EngineObserver):
 
     def bind(self, engine: KVEngine) -> None:
         self._engine = engine
-        self.insights.bind(engine.stats().pool_capacity_bytes, engine.namespace_at)
+        capacity = engine.stats().pool_capacity_bytes
+        if self.sketches is None:
+            if self.sketch_mode == "process":
+                self.sketches = SketchProcess(self.windows, capacity)
+            else:
+                self.sketches = LookupSketches(self.windows, capacity)
+        self.insights.bind(engine.namespace_at, self.sketch_snapshot)
         if not self._feeder.is_alive():
             self._feeder.start()
 
@@ -128,6 +148,8 @@ class ServerMetrics(EngineObserver):
         self._wake.set()
         if self._feeder.is_alive():
             self._feeder.join(timeout=5)
+        if self.sketches is not None:
+            self.sketches.close()
 
     # --------------------------------------------------- EngineObserver (hot path)
 
@@ -153,12 +175,20 @@ class ServerMetrics(EngineObserver):
     # ------------------------------------------------------------ windows
 
     def window_rates(self) -> tuple[dict[str, float | None], dict[str, float | None]]:
-        """(measured hit rate, HLL ceiling) per window; None where a window saw no lookups."""
+        """(measured hit rate, HLL ceiling) per window; None where a window saw no lookups (or the
+        sketches are unavailable)."""
         self.flush()
         with self._state_lock:
             measured = self.hit_rate.rates()
-            ceiling = {name: self.ceiling.ceiling(name) for name in self.windows}
+        snap = self.sketch_snapshot(flush=False)
+        ceiling = dict(snap.ceiling) if snap is not None else dict.fromkeys(self.windows)
         return measured, ceiling
+
+    def sketch_snapshot(self, flush: bool = True) -> SketchSnapshot | None:
+        """The lookup sketches now (every lookup fed so far counted), None while unavailable."""
+        if flush:
+            self.flush()
+        return self.sketches.snapshot() if self.sketches is not None else None
 
     def flush(self, max_rounds: int = 4) -> None:
         """Feeds pending lookups now, so a scrape sees up-to-date windows; bounded, so a scrape
@@ -177,10 +207,10 @@ class ServerMetrics(EngineObserver):
                     if self.foreground.busy and not self.foreground.wait_quiet(self.max_feed_defer_s):
                         until = time.monotonic() + FORCED_FEED_S
                         while self._pending and time.monotonic() < until and not self._stop.is_set():
-                            self._feed_some(FEED_SLICE_KEYS)
+                            self._feed_some(self.feed_slice_keys)
                             time.sleep(BUSY_PAUSE_S)
                         continue
-                    self._feed_some(FEED_SLICE_KEYS)
+                    self._feed_some(self.feed_slice_keys)
             except Exception:
                 log.exception("metrics feeder failed; continuing")
 
@@ -188,30 +218,31 @@ class ServerMetrics(EngineObserver):
         """Feeds up to ``max_keys`` keys of the pending lookups, oldest first. A lookup longer than
         what is left of ``max_keys`` is split: its tail now (the miss-ratio curve takes a lookup's
         keys tail first), its head back at the front of the queue, its leading hits shared out."""
-        keys: list[bytes] = []
+        records: list[LookupRecord] = []
         batch: list[tuple[int, Sequence[bytes], int]] = []
-        hits = requests = 0
-        while self._pending and len(keys) < max_keys:
+        hits = requests = keys = 0
+        while self._pending and keys < max_keys:
             try:
                 ns_index, hashes, nhits = self._pending.popleft()
             except IndexError:
                 break
-            room = max_keys - len(keys)
+            room = max_keys - keys
             if len(hashes) > room:
                 head = len(hashes) - room
                 self._pending.appendleft((ns_index, hashes[:head], min(nhits, head)))
                 hashes, nhits = hashes[head:], max(nhits - head, 0)
             batch.append((ns_index, hashes, nhits))
-            prefix = ns_index.to_bytes(4, "little")
-            keys.extend(prefix + h for h in hashes)
+            records.append(LookupRecord(ns_index, self.insights.block_bytes(ns_index), hashes))
+            keys += len(hashes)
             hits += nhits
             requests += len(hashes)
         if not requests:
             return
         with self._state_lock:
             self.hit_rate.add(hits, requests)
-            self.ceiling.add(keys)
-        self.insights.add_lookups(batch)
+        self.insights.add_hits(batch)
+        if self.sketches is not None:
+            self.sketches.add(records)
 
 
 class _StatsCollector:
@@ -301,11 +332,27 @@ class _EngineCollector:
         mem = GaugeMetricFamily(
             "pegaflow_hll_memory_bytes", "Memory of the HyperLogLog registers per window", labels=["window"]
         )
-        for name in self._metrics.windows:
-            mem.add_metric([name], self._metrics.ceiling.memory_bytes(name))
+        snap = self._metrics.sketch_snapshot(flush=False)
+        if snap is not None:
+            for name, nbytes in snap.hll_memory_bytes.items():
+                mem.add_metric([name], nbytes)
         yield mem
         c = CounterMetricFamily(
             "pegaflow_metrics_dropped_lookups", "Lookups not fed to the hit-rate windows (feeder behind)"
         )
         c.add_metric([], self._metrics.dropped_lookups)
         yield c
+        sketches = self._metrics.sketches
+        if isinstance(sketches, SketchProcess):
+            c = CounterMetricFamily(
+                "pegaflow_lookup_sketch_dropped_lookups",
+                "Lookups the sketches' process did not get (it was behind, stalled or restarting)",
+            )
+            c.add_metric([], sketches.dropped_records)
+            yield c
+            c = CounterMetricFamily(
+                "pegaflow_lookup_sketch_restarts",
+                "Restarts of the lookup sketches' process (its windows start empty)",
+            )
+            c.add_metric([], sketches.restarts)
+            yield c

@@ -1,8 +1,12 @@
-"""Metrics of an in-process server: the HLL ceiling beside the measured hit rate, /health, own registries."""
+"""Metrics of an in-process server: the HLL ceiling beside the measured hit rate, /health, own registries;
+each with the lookup sketches on the feeder thread and in their own process, and that process killed."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 import urllib.error
 import urllib.request
 
@@ -13,8 +17,8 @@ from pegaflow.server.config import MIB, ServerConfig
 from pegaflow.server.runtime import start_server
 
 
-@pytest.fixture
-def servers(tmp_path):
+@pytest.fixture(params=["thread", "process"])
+def servers(tmp_path, request):
     started = []
     for k in range(2):  # two servers in one process: their registries must not clash
         started.append(
@@ -24,6 +28,7 @@ def servers(tmp_path):
                     addr="127.0.0.1:0",
                     http_addr="127.0.0.1:0",
                     fd_socket_path=str(tmp_path / f"pool{k}.sock"),
+                    lookup_sketches=request.param,
                 )
             )
         )
@@ -117,3 +122,40 @@ def test_the_engines_reported_prefill_cost_prices_the_tokens_its_hits_spared(ser
         wait_for(lambda: any(v > 0 for v in priced().values()), 10, what="priced savings")
         (value,) = [v for k, v in priced().items() if 'model="priced"' in k]
         assert value == pytest.approx(160 * 0.25e-3)
+
+
+def test_a_killed_sketch_process_costs_its_windows_not_the_server(tmp_path):
+    srv = start_server(
+        ServerConfig(
+            pool_size_bytes=16 * MIB,
+            addr="127.0.0.1:0",
+            http_addr="127.0.0.1:0",
+            fd_socket_path=str(tmp_path / "pool.sock"),
+            lookup_sketches="process",
+        )
+    )
+    try:
+        with PegaClient(srv.address, timeout_s=10.0) as c:
+            inst = c.register_instance(KvLayout(model_id="m", block_bytes=4096))
+            stored = [f"s-{i}".encode() for i in range(100)]
+            c.seal(c.allocate(inst, stored).save_id)
+            for _ in range(4):
+                c.query_prefix(inst, stored)
+            assert c.stats().hll_ceiling["15m"] == pytest.approx(0.75, abs=0.02)
+            sketches = srv.metrics.sketches
+            os.kill(sketches.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while True:  # lookups and stats go on; a new child counts the lookups after it
+                assert c.query_prefix(inst, stored).num_hits == 100
+                stats = c.stats()
+                if sketches.restarts == 1 and "15m" in stats.hll_ceiling:
+                    break
+                assert time.monotonic() < deadline, stats
+                time.sleep(0.2)
+            assert stats.measured_hit_rate["15m"] > 0.99  # the server's own count is not the child's
+        status, text = get(f"http://{srv.http_address}/metrics")
+        assert status == 200
+        restarts = series(text, "pegaflow_lookup_sketch_restarts_total")
+        assert restarts == {"pegaflow_lookup_sketch_restarts_total": 1.0}
+    finally:
+        srv.stop()

@@ -88,13 +88,15 @@ def series(text: str, name: str) -> dict[str, float]:
     return out
 
 
-def test_insights_are_exported_by_a_running_server(tmp_path):
+@pytest.mark.parametrize("sketches", ["thread", "process"])
+def test_insights_are_exported_by_a_running_server(tmp_path, sketches):
     srv = start_server(
         ServerConfig(
             pool_size_bytes=16 * MIB,
             addr="127.0.0.1:0",
             http_addr="127.0.0.1:0",
             fd_socket_path=str(tmp_path / "pool.sock"),
+            lookup_sketches=sketches,
         )
     )
     try:

@@ -1,0 +1,147 @@
+"""The lookup sketches in their own process (sketch_process.py): the same numbers as in-process,
+and a child that dies, stalls or is fed garbage never stalls or breaks the server's side."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from pegaflow.server.metrics import sketch_process
+from pegaflow.server.metrics.lookup_sketches import LookupRecord, LookupSketches
+from pegaflow.server.metrics.sketch_process import SketchProcess, decode_records, encode_records
+
+WINDOWS = {"15m": 900.0, "1h": 3600.0}
+CAPACITY = 64 << 20
+
+
+def records(n_lookups: int, tag: str = "k", per: int = 32) -> list[LookupRecord]:
+    # A working set of 40 chains, revisited: both sketches see reuse.
+    return [
+        LookupRecord(i % 3, 64 << 10, [f"{tag}-{i % 40}-{j}".encode() for j in range(per)])
+        for i in range(n_lookups)
+    ]
+
+
+@pytest.fixture
+def proc():
+    p = SketchProcess(WINDOWS, CAPACITY, restart_backoff_s=0.0, io_timeout_s=2.0)
+    yield p
+    p.close()
+
+
+def test_records_round_trip_with_fixed_and_varying_hash_lengths():
+    recs = [
+        LookupRecord(7, 4096, [b"a" * 32, b"b" * 32]),
+        LookupRecord(1 << 31, 1 << 30, [b"x", b"yy", b"", b"zzz"]),
+        LookupRecord(0, 0, []),
+    ]
+    frame = encode_records(recs)
+    assert decode_records(memoryview(frame)[5:]) == recs
+
+
+def test_a_truncated_record_is_refused():
+    frame = encode_records([LookupRecord(1, 4096, [b"a" * 32] * 4)])
+    with pytest.raises(ValueError):
+        decode_records(memoryview(frame)[5:-1])
+    with pytest.raises(ValueError):
+        decode_records(memoryview(b"\x01\x02\x03"))
+
+
+def test_the_process_counts_what_the_in_process_sketches_count(proc):
+    local = LookupSketches(WINDOWS, CAPACITY)
+    for lo in range(0, 400, 50):
+        batch = records(400)[lo : lo + 50]
+        local.add(batch)
+        proc.add(batch)
+    mine, theirs = local.snapshot(), proc.snapshot()
+    assert theirs is not None
+    assert theirs.requests == mine.requests == 400 * 32
+    assert theirs.ceiling == pytest.approx(mine.ceiling)
+    assert 0.5 < theirs.ceiling["15m"] < 1.0  # 40 chains revisited 10 times
+    assert theirs.mrc_sampled_requests == mine.mrc_sampled_requests > 0
+    for window in WINDOWS:
+        assert theirs.mrc_predicted[window] == pytest.approx(mine.mrc_predicted[window])
+    assert theirs.hll_memory_bytes == mine.hll_memory_bytes
+    assert proc.dropped_records == 0 and proc.restarts == 0
+
+
+@pytest.mark.timeout(30)
+def test_a_killed_child_is_replaced_and_counts_afresh(proc):
+    proc.add(records(10))
+    assert proc.snapshot().requests == 320
+    old = proc.pid
+    os.kill(old, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while proc.snapshot() is None or proc.pid == old:  # the failed call restarts it
+        assert time.monotonic() < deadline
+    proc.add(records(3))
+    snap = proc.snapshot()
+    assert snap.requests == 96  # a new child: its windows start empty
+    assert proc.restarts == 1
+
+
+@pytest.mark.timeout(30)
+def test_a_stalled_child_holds_the_feeder_for_one_timeout_then_is_replaced(proc):
+    proc.add(records(1))
+    assert proc.snapshot() is not None
+    stalled = proc.pid
+    os.kill(stalled, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        for _ in range(20_000):  # ~25 MiB of frames, far beyond what the socket holds
+            proc.add(records(1, per=64))
+        assert time.monotonic() - started < 2.0 + 3.0  # one io_timeout_s, then a new child reads
+        assert proc.pid != stalled and proc.restarts == 1
+        assert proc.dropped_records == 1  # the frame that could not be handed over
+    finally:
+        try:
+            os.kill(stalled, signal.SIGCONT)
+        except ProcessLookupError:
+            pass  # killed by the restart, as it should be
+    assert proc.snapshot().requests > 0
+
+
+@pytest.mark.timeout(30)
+def test_a_snapshot_from_a_stalled_child_is_none_within_the_timeout(proc):
+    assert proc.snapshot() is not None
+    stalled = proc.pid
+    os.kill(stalled, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        assert proc.snapshot() is None
+        assert time.monotonic() - started < 2.0 + 1.0
+    finally:
+        try:
+            os.kill(stalled, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert proc.snapshot() is not None and proc.pid != stalled
+
+
+@pytest.mark.timeout(30)
+def test_garbage_on_the_socket_ends_the_child_and_a_new_one_takes_over(proc):
+    proc.add(records(2))
+    old = proc.pid
+    with proc._lock:
+        proc._sock.sendall(b"\x05\x00\x00\x00\x01\xff\xff\xff\xff")  # a FEED frame of a truncated record
+    deadline = time.monotonic() + 10
+    while proc.snapshot() is None or proc.pid == old:
+        assert time.monotonic() < deadline
+    assert proc.restarts == 1
+
+
+def test_the_child_exits_when_the_server_side_closes():
+    p = SketchProcess(WINDOWS, CAPACITY)
+    child = p._proc
+    p.close()
+    assert child.wait(timeout=5) == 0
+
+
+def test_the_child_runs_below_the_server_s_priority(proc):
+    assert proc.snapshot() is not None
+    assert os.getpriority(os.PRIO_PROCESS, proc.pid) == os.getpriority(os.PRIO_PROCESS, 0) + min(
+        sketch_process.CHILD_NICE, 19 - os.getpriority(os.PRIO_PROCESS, 0)
+    )
