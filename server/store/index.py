@@ -15,6 +15,7 @@ thread-safe: the block store calls it under the engine lock.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 
 from pegaflow.common.wire.types import Tier
 from pegaflow.server.tiers.base import Extent
@@ -249,6 +250,27 @@ class BlockIndex:
             self.pinned += 1
             return True
         return False
+
+    def pin_many(self, entries: Sequence[BlockEntry]) -> list[BlockEntry]:
+        """``pin`` of each; the entries this gave their first pin."""
+        first = []
+        for entry in entries:  # a chain may name a block twice: its second pin is not a first
+            if entry.pins == 0:
+                first.append(entry)
+            entry.pins += 1
+        self.pinned += len(first)
+        return first
+
+    def unpin_many(self, entries: Sequence[BlockEntry]) -> list[BlockEntry]:
+        """``unpin`` of each; the entries whose last pin this was."""
+        last = []
+        for entry in entries:
+            if entry.pins > 0:
+                entry.pins -= 1
+                if entry.pins == 0:
+                    last.append(entry)
+        self.pinned -= len(last)
+        return last
 
     def unpin(self, entry: BlockEntry) -> bool:
         """True when this was the block's last pin (False for a block already removed)."""

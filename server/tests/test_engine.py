@@ -621,3 +621,24 @@ def test_a_slot_of_a_slab_re_cut_for_another_size_is_zeroed_before_it_is_granted
         eng.seal_blocks(sid, res.save_id)
     finally:
         eng.close()
+
+
+def test_a_lease_pins_and_holds_each_block_once_and_its_release_lets_go_of_all(engine):
+    """Leases pin a chain's blocks in one pass (BlockStore.pin / unpin): a block the chain names twice
+    is pinned twice but its slab held once, and releasing every lease leaves no pin and no hold."""
+    sid = engine.open_session("t").session_id
+    iid = engine.register_instance(sid, layout()).instance_id
+    hs = hashes(8)
+    save(engine, sid, iid, hs)
+    slabs = lambda: [s for s in engine.allocator._slabs if s is not None]  # noqa: E731
+    assert sum(s.holds for s in slabs()) == 0
+    chain = hs[:3] + hs[:3] + hs[3:]  # the first three blocks named twice
+    first = engine.query_prefix(sid, iid, chain, lease=True)
+    second = engine.query_prefix(sid, iid, hs[:2], lease=True)
+    assert first.num_hits == 11 and second.num_hits == 2
+    assert engine.stats().pinned_blocks == 8
+    assert sum(s.holds for s in slabs()) == 8  # one hold per pinned block, however many pins
+    engine.release_lease(sid, first.lease_id)
+    assert engine.stats().pinned_blocks == 2 and sum(s.holds for s in slabs()) == 2
+    engine.release_lease(sid, second.lease_id)
+    assert engine.stats().pinned_blocks == 0 and sum(s.holds for s in slabs()) == 0

@@ -307,6 +307,12 @@ class SlabAllocator:
             raise AssertionError(f"unbalanced unhold in slab {slab.index}")
         slab.holds -= 1
 
+    def hold_many(self, offsets: list[int]) -> None:
+        """``hold`` of offsets this allocator handed out (not re-validated: a lease's hot path)."""
+        slabs, size = self._slabs, self.slab_bytes
+        for offset in offsets:
+            slabs[offset // size].holds += 1
+
     def unhold_many(self, offsets: list[int]) -> None:
         """``unhold`` of offsets this allocator handed out (not re-validated: a seal's hot path)."""
         slabs, size = self._slabs, self.slab_bytes
