@@ -1012,8 +1012,8 @@ class KVEngine:
     ) -> None:
         """A block request: ``hits`` are accessed; with ``num_hits`` (None: accounted later) every
         hash feeds the frequency sketch, the hit-rate windows and the HLL ceiling."""
-        for entry in reversed(hits):
-            self.policy.on_access(entry.key)
+        if hits:
+            self.policy.on_access_many([entry.key for entry in reversed(hits)])
         if num_hits is not None:
             self.policy.record_lookups([(ns_index, h) for h in hashes])
             self.observer.on_lookup(ns_index, tuple(hashes), num_hits)

@@ -43,6 +43,12 @@ class EvictionPolicy(abc.ABC):
     def on_access(self, key: Hashable) -> None:
         """A resident key was hit. Unknown keys are ignored (the hit may race with a removal)."""
 
+    def on_access_many(self, keys: Sequence[Hashable]) -> None:
+        """``on_access`` of each key, in order (a lookup's hits, tail first). Policies whose
+        accesses are cheap override it to take their lock once for the batch."""
+        for key in keys:
+            self.on_access(key)
+
     def on_refresh(self, key: Hashable) -> None:
         """A resident key's recency is renewed without it counting as a hit: a save restating the
         chain the key belongs to, or the load of a block whose lookup already counted. Unknown keys

@@ -52,6 +52,10 @@ class LRUPolicy(EvictionPolicy):
             if key in self._recency:
                 self._recency.touch(key)
 
+    def on_access_many(self, keys: Sequence[Hashable]) -> None:
+        with self._lock:
+            self._recency.touch_present(keys)
+
     def on_remove(self, key: Hashable) -> None:
         with self._lock:
             if key in self._recency:

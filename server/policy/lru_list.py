@@ -6,7 +6,7 @@ Not thread-safe on its own; the policies that own these lists serialise access.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 
 
 class ByteLRU:
@@ -45,6 +45,13 @@ class ByteLRU:
     def touch(self, key: Hashable) -> None:
         """Makes ``key`` the most recent entry."""
         self._entries.move_to_end(key)
+
+    def touch_present(self, keys: Iterable[Hashable]) -> None:
+        """``touch`` of each key that is present, in order (the last one ends the most recent)."""
+        entries, move = self._entries, self._entries.move_to_end
+        for key in keys:
+            if key in entries:
+                move(key)
 
     def remove(self, key: Hashable) -> int:
         """Removes ``key`` and returns its size."""

@@ -36,6 +36,23 @@ def test_hit_makes_key_most_recent():
     assert evict_all(policy) == [1, 3, 0, 2]
 
 
+@pytest.mark.parametrize("lfu", [False, True], ids=["lru", "tinylfu"])
+def test_a_batch_of_accesses_is_the_same_accesses_one_by_one(lfu):
+    """on_access_many (a lookup's hits in one call) leaves the policy as on_access per key would."""
+    rng = np.random.default_rng(7)
+    one, batch = make_policy(lfu, capacity_bytes=1000), make_policy(lfu, capacity_bytes=1000)
+    assert isinstance(one, LRUPolicy) != lfu
+    for policy in (one, batch):
+        for i in range(40):
+            policy.on_insert(i, 10)
+    for _ in range(30):
+        keys = [int(k) for k in rng.integers(0, 50, size=int(rng.integers(1, 12)))]  # 40..49: absent
+        for key in keys:
+            one.on_access(key)
+        batch.on_access_many(keys)
+    assert evict_all(batch) == evict_all(one)
+
+
 def test_next_victim_does_not_remove():
     policy = LRUPolicy()
     policy.on_insert("a", 1)
