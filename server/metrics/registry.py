@@ -109,6 +109,7 @@ class ServerMetrics(EngineObserver):
             buckets=TRANSFER_BUCKETS,
             registry=self.registry,
         )
+        self._rpc_children: dict[tuple[str, str], tuple] = {}
         self.hit_rate = WindowedHitRate(self.windows)
         self.dropped_lookups = 0
         self._engine: KVEngine | None = None
@@ -169,8 +170,14 @@ class ServerMetrics(EngineObserver):
         (self.transfer_duration if kind == "promote" else self.demotion_duration).observe(seconds)
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
-        self.rpc_duration.labels(method).observe(seconds)
-        self.rpc_calls.labels(method, code).inc()
+        # The labelled children are looked up once per (method, code): labels() takes the family's
+        # lock and builds a key on every call, a few us of every RPC.
+        children = self._rpc_children.get((method, code))
+        if children is None:
+            children = (self.rpc_duration.labels(method), self.rpc_calls.labels(method, code))
+            self._rpc_children[(method, code)] = children
+        children[0].observe(seconds)
+        children[1].inc()
 
     # ------------------------------------------------------------ windows
 
