@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+from itertools import repeat
 
 import grpc
 
@@ -70,9 +71,13 @@ _TIER = {t.value: t for t in Tier}
 def locations(cols: pb.BlockLocations) -> list[Location]:
     length = cols.block_bytes
     n = len(cols.offsets)
-    tiers = [_TIER.get(t, Tier.DRAM) for t in cols.tiers] if cols.tiers else [Tier.DRAM] * n
-    sums = list(cols.checksums) if len(cols.checksums) == n else [0] * n
-    return [Location(offset, length, t, c) for offset, t, c in zip(cols.offsets, tiers, sums, strict=True)]
+    tiers = list(map(_TIER.get, cols.tiers, repeat(Tier.DRAM))) if cols.tiers else repeat(Tier.DRAM, n)
+    sums = cols.checksums if len(cols.checksums) == n else repeat(0, n)
+    if cols.tiers and len(tiers) != n:
+        raise errors.ServerError(f"{len(tiers)} tiers for {n} block locations")
+    # tuple.__new__ builds each Location in C: a 64-block answer's Python calls were ~1/3 of the
+    # client's decoding (the NamedTuple constructor is a Python-level function).
+    return list(map(tuple.__new__, repeat(Location), zip(cols.offsets, repeat(length), tiers, sums)))
 
 
 def prefix_hit(resp: pb.QueryPrefixResponse) -> PrefixHit:
@@ -82,7 +87,7 @@ def prefix_hit(resp: pb.QueryPrefixResponse) -> PrefixHit:
         locations=locations(resp.locations),
         epoch=resp.epoch,
         pending=resp.pending,
-        sources=tuple(_TIER.get(t, Tier.DRAM) for t in resp.sources),
+        sources=tuple(map(_TIER.get, resp.sources, repeat(Tier.DRAM))),
         searching=resp.searching,
     )
 
