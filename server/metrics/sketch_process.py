@@ -86,6 +86,9 @@ def decode_records(body: memoryview) -> list[LookupRecord]:
             raise ValueError("truncated lookup record")
         ns_index, block_bytes, count, size = _RECORD.unpack_from(body, pos)
         pos += _RECORD.size
+        # Bounds first: a count the body cannot hold is refused before anything is sized from it.
+        if count * (2 if size == VARYING else size) > end - pos:
+            raise ValueError("truncated lookup record")
         if size == VARYING:
             lengths = struct.unpack_from(f"<{count}H", body, pos)
             pos += 2 * count

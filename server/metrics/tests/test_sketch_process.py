@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import struct
 import time
 
 import pytest
@@ -48,6 +49,9 @@ def test_a_truncated_record_is_refused():
         decode_records(memoryview(frame)[5:-1])
     with pytest.raises(ValueError):
         decode_records(memoryview(b"\x01\x02\x03"))
+    huge = struct.pack("<IQIH", 1, 4096, 0xFFFFFFFF, 32) + b"a" * 32  # a count nothing could hold
+    with pytest.raises(ValueError):
+        decode_records(memoryview(huge))
 
 
 def test_the_process_counts_what_the_in_process_sketches_count(proc):
