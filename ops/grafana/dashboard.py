@@ -380,10 +380,20 @@ ROWS: list[tuple[str, list[Panel]]] = [
                 ),
             ),
             Panel(
-                "Lookups the metrics feeder dropped",
-                "Lookups not fed to the hit-rate windows, the ceiling and the MRC (feeder behind).",
-                (Target(rate("pegaflow_metrics_dropped_lookups_total"), "{{instance}}"),),
+                "Lookups the metrics dropped",
+                "Lookups not fed to the hit-rate windows, the ceiling and the MRC (feeder behind), and "
+                "those the lookup sketches' process missed (behind, stalled or restarting; "
+                "server/metrics/sketch_process.py).",
+                (
+                    Target(rate("pegaflow_metrics_dropped_lookups_total"), "{{instance}} feeder"),
+                    Target(rate("pegaflow_lookup_sketch_dropped_lookups_total"), "{{instance}} sketches"),
+                ),
                 unit="ops",
+            ),
+            Panel(
+                "Restarts of the lookup sketches' process",
+                "Each restart empties the ceiling's and the MRC's windows (they refill as lookups come).",
+                (Target(f"pegaflow_lookup_sketch_restarts_total{{{I}}}", "{{instance}}"),),
             ),
         ],
     ),
