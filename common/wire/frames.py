@@ -1,6 +1,7 @@
-"""The framing every local Unix-socket protocol of pegaflow shares (the local RPC socket and the GPU
-doorbell), written once for the server end (server/endpoints/unix_socket.py) and the client end
-(client/frame_link.py). What goes inside a frame is the codec's (local_rpc.py, doorbell.py here).
+"""The framing every local Unix-socket protocol of pegaflow shares (the local RPC socket, the GPU
+doorbell, and the server's channel to its lookup sketches' process), written once for the server end
+(server/endpoints/unix_socket.py) and the client end (client/frame_link.py). What goes inside a frame
+is the codec's (local_rpc.py, doorbell.py here; server/metrics/sketch_process.py).
 
 Little-endian. A connection carries frames, each a u32 body length and the body. On accept the
 server greets once, before it reads anything::

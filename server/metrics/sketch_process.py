@@ -9,12 +9,13 @@ GIL behind its slices: query p99 4.4 ms with the feeder, 0.6 ms with it stubbed 
 and one join) and writes it to a socket; the child does the rest on its own interpreter, at a
 lower CPU priority (nice +10), so on a small host the request path keeps the cores first.
 
-Protocol, over one SOCK_STREAM socketpair, parent -> child frames ``u32 length | u8 kind | body``:
+Protocol, over one SOCK_STREAM socketpair, in the framing of the local sockets
+(common/wire/frames.py: a u32 length, then the body); parent -> child bodies are ``u8 kind | payload``:
 
 * ``FEED``: lookup records, each ``u32 ns_index | u64 block_bytes | u32 count | u16 hash_len``
   then ``count * hash_len`` bytes; ``hash_len = 0xFFFF`` means varying lengths, a ``u16`` per hash
   first. No answer.
-* ``SNAPSHOT``: no body; the child answers ``u32 length`` + the snapshot as JSON. Frames are
+* ``SNAPSHOT``: no payload; the child answers with a frame of the snapshot as JSON. Frames are
   handled in order, so a snapshot counts every record fed before it (tests and scrapes rely on it).
 
 Back-pressure: a child that is behind makes the feeder thread wait in its send (without the GIL);
@@ -36,7 +37,6 @@ import ctypes
 import json
 import logging
 import os
-import select
 import signal
 import socket
 import struct
@@ -46,14 +46,13 @@ import threading
 import time
 from collections.abc import Sequence
 
+from pegaflow.common.wire import frames
 from pegaflow.server.metrics.lookup_sketches import LookupRecord, LookupSketches, SketchSnapshot
 
 log = logging.getLogger(__name__)
 
 FEED, SNAPSHOT = 1, 2
-_FRAME = struct.Struct("<IB")  # length of what follows the u32 (kind + body), kind
 _RECORD = struct.Struct("<IQIH")
-_LEN = struct.Struct("<I")
 VARYING = 0xFFFF
 MAX_FRAME_BYTES = 64 << 20
 IO_TIMEOUT_S = 5.0
@@ -73,8 +72,7 @@ def encode_records(records: Sequence[LookupRecord]) -> bytes:
             parts.append(_RECORD.pack(ns_index, block_bytes, len(hashes), VARYING))
             parts.append(struct.pack(f"<{len(hashes)}H", *map(len, hashes)))
         parts.append(b"".join(hashes))
-    body = b"".join(parts)
-    return _FRAME.pack(len(body) + 1, FEED) + body
+    return frames.encode_frame(bytes((FEED,)) + b"".join(parts))
 
 
 def decode_records(body: memoryview) -> list[LookupRecord]:
@@ -102,43 +100,6 @@ def decode_records(body: memoryview) -> list[LookupRecord]:
             pos += n
         out.append(LookupRecord(ns_index, block_bytes, hashes))
     return out
-
-
-def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray | None:
-    """``n`` bytes, None at EOF; TimeoutError past ``deadline`` (None: wait as long as it takes)."""
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        if deadline is not None:
-            _wait(sock, select.POLLIN, deadline)
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            return None
-        got += k
-    return buf
-
-
-def _send_all(sock: socket.socket, data: bytes, deadline: float) -> None:
-    """All of ``data``, or TimeoutError past ``deadline``. Sends are tried before any poll: a Unix
-    stream socket polls writable only while a quarter of its buffer or less is queued (and Python's
-    timeout sockets poll first), which would make a feeder with room left wait for the child."""
-    view, sent = memoryview(data), 0
-    while sent < len(view):
-        try:
-            sent += sock.send(view[sent:], socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            _wait(sock, select.POLLOUT, deadline)
-
-
-def _wait(sock: socket.socket, events: int, deadline: float) -> None:
-    poller = select.poll()
-    poller.register(sock, events)
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the lookup sketches' process did not answer in time")
-        if poller.poll(left * 1e3):
-            return
 
 
 class SketchProcess:
@@ -192,7 +153,7 @@ class SketchProcess:
             return
         finally:
             child.close()
-        parent.setblocking(True)  # every wait has its own deadline (_send_all, _recv_exact)
+        parent.settimeout(0)  # non-blocking: frames.send_all / recv_exact wait with their own deadlines
         # Room for bursts while the child catches up (the kernel caps it at net.core.wmem_max).
         parent.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         self._sock = parent
@@ -232,7 +193,7 @@ class SketchProcess:
                 self.dropped_records += len(records)
                 return
             try:
-                _send_all(self._sock, frame, time.monotonic() + self.io_timeout_s)
+                frames.send_all(self._sock, frame, time.monotonic() + self.io_timeout_s)
             except OSError as exc:  # timeout included: a partial frame leaves the stream unusable
                 self.dropped_records += len(records)
                 self._fail_locked(f"feeding failed ({exc!r})")
@@ -243,18 +204,12 @@ class SketchProcess:
                 return None
             deadline = time.monotonic() + self.io_timeout_s
             try:
-                _send_all(self._sock, _FRAME.pack(1, SNAPSHOT), deadline)
-                head = _recv_exact(self._sock, _LEN.size, deadline)
-                if head is None:
-                    raise ConnectionError("closed")
-                (n,) = _LEN.unpack(head)
-                if n > MAX_FRAME_BYTES:
-                    raise ValueError(f"a {n}-byte answer")
-                body = _recv_exact(self._sock, n, deadline)
-                if body is None:
+                frames.send_all(self._sock, frames.encode_frame(bytes((SNAPSHOT,))), deadline)
+                body = frames.read_frame(self._sock, MAX_FRAME_BYTES, deadline)
+                if not body:
                     raise ConnectionError("closed")
                 return SketchSnapshot.from_json(json.loads(body))
-            except (OSError, ValueError, KeyError, TypeError) as exc:
+            except (OSError, ValueError, KeyError, TypeError) as exc:  # FrameError is a ValueError
                 self._fail_locked(f"no snapshot ({exc!r})")
                 return None
 
@@ -287,20 +242,14 @@ def _die_with_parent() -> None:
 def serve(sock: socket.socket, sketches: LookupSketches) -> None:
     """The child's loop: frames in order until EOF. A malformed frame ends it (the parent restarts)."""
     while True:
-        head = _recv_exact(sock, _FRAME.size)
-        if head is None:
-            return
-        n, kind = _FRAME.unpack(head)
-        if n < 1 or n > MAX_FRAME_BYTES:
-            raise ValueError(f"a frame of {n} bytes")
-        body = _recv_exact(sock, n - 1) if n > 1 else bytearray()
+        body = frames.read_frame(sock, MAX_FRAME_BYTES)
         if body is None:
             return
+        kind, payload = (body[0] if body else 0), memoryview(body)[1:]
         if kind == FEED:
-            sketches.add(decode_records(memoryview(body)))
+            sketches.add(decode_records(payload))
         elif kind == SNAPSHOT:
-            answer = json.dumps(sketches.snapshot().to_json()).encode()
-            sock.sendall(_LEN.pack(len(answer)) + answer)
+            sock.sendall(frames.encode_frame(json.dumps(sketches.snapshot().to_json()).encode()))
         else:
             raise ValueError(f"unknown frame kind {kind}")
 
@@ -322,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     sketches = LookupSketches(config["windows"], config["capacity_bytes"], config["mrc"])
     try:
         serve(sock, sketches)
-    except (OSError, ValueError, struct.error) as exc:
+    except (OSError, ValueError, struct.error) as exc:  # FrameError is a ValueError
         print(f"pegaflow lookup sketches: {exc!r}", file=sys.stderr)
         return 1
     return 0
