@@ -184,12 +184,17 @@ class ServerMetrics(EngineObserver):
     def window_rates(self) -> tuple[dict[str, float | None], dict[str, float | None]]:
         """(measured hit rate, HLL ceiling) per window; None where a window saw no lookups (or the
         sketches are unavailable)."""
+        measured, snap = self.window_state()
+        ceiling = dict(snap.ceiling) if snap is not None else dict.fromkeys(self.windows)
+        return measured, ceiling
+
+    def window_state(self) -> tuple[dict[str, float | None], SketchSnapshot | None]:
+        """The measured hit rate per window and the sketches' snapshot, both after every pending
+        lookup was fed: one snapshot for all a scrape's window families."""
         self.flush()
         with self._state_lock:
             measured = self.hit_rate.rates()
-        snap = self.sketch_snapshot(flush=False)
-        ceiling = dict(snap.ceiling) if snap is not None else dict.fromkeys(self.windows)
-        return measured, ceiling
+        return measured, self.sketch_snapshot(flush=False)
 
     def sketch_snapshot(self, flush: bool = True) -> SketchSnapshot | None:
         """The lookup sketches now (every lookup fed so far counted), None while unavailable."""
@@ -319,7 +324,8 @@ class _EngineCollector:
             yield family
 
     def _window_families(self):
-        measured, ceiling = self._metrics.window_rates()
+        measured, snap = self._metrics.window_state()
+        ceiling = snap.ceiling if snap is not None else {}
         rate = GaugeMetricFamily(
             "pegaflow_measured_hit_rate", "Block hit rate over the window", labels=["window"]
         )
@@ -339,7 +345,6 @@ class _EngineCollector:
         mem = GaugeMetricFamily(
             "pegaflow_hll_memory_bytes", "Memory of the HyperLogLog registers per window", labels=["window"]
         )
-        snap = self._metrics.sketch_snapshot(flush=False)
         if snap is not None:
             for name, nbytes in snap.hll_memory_bytes.items():
                 mem.add_metric([name], nbytes)
