@@ -126,6 +126,9 @@ class VllmMetrics:
         return int(value)
 
 
+PORT_RETRIES = 2
+
+
 class VllmServer:
     """One `vllm serve` process tree (API server, EngineCore, worker) on a free port."""
 
@@ -148,6 +151,10 @@ class VllmServer:
         self.workdir = pathlib.Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
+        # An auto-picked port is free when picked, not when vLLM binds it after loading the model
+        # (tens of seconds later): another process may take it meanwhile (seen in CI with two
+        # tests starting servers side by side). Such a start is retried on a new port.
+        self._port_retries = 0 if port else PORT_RETRIES
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = self.workdir / log_name
         self.cmd = [
@@ -180,6 +187,7 @@ class VllmServer:
     # -------------------------------------------------------------- lifecycle
     def start(self) -> VllmServer:
         self._log = open(self.log_path, "ab")
+        self._log_start = self._log.tell()  # this start's output begins here (the log is appended to)
         self.proc = subprocess.Popen(
             self.cmd,
             stdout=self._log,
@@ -196,7 +204,12 @@ class VllmServer:
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout_s:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{self.log_tail()}")
+                tail = self.log_tail()
+                if self._port_retries > 0 and "Address already in use" in self._log_since_start():
+                    self._port_retries -= 1
+                    self._restart_on(free_port())
+                    continue
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{tail}")
             try:
                 with urllib.request.urlopen(self.base_url + "/v1/models", timeout=2) as r:
                     if r.status == 200:
@@ -205,6 +218,13 @@ class VllmServer:
                 pass
             time.sleep(0.25)
         raise TimeoutError(f"vllm serve not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def _restart_on(self, port: int) -> None:
+        self.proc.wait()
+        self._log.close()
+        self.cmd[self.cmd.index("--port") + 1] = str(port)
+        self.port, self.base_url = port, f"http://127.0.0.1:{port}"
+        self.start()
 
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGINT the whole process group, SIGKILL it if it outlives grace_s."""
@@ -233,6 +253,14 @@ class VllmServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+    def _log_since_start(self) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     def log_tail(self, n_bytes: int = 6000) -> str:
         try:
