@@ -243,14 +243,6 @@ class BlockIndex:
 
     # ------------------------------------------------------------------- pins
 
-    def pin(self, entry: BlockEntry) -> bool:
-        """True when this is the block's first pin."""
-        entry.pins += 1
-        if entry.pins == 1:
-            self.pinned += 1
-            return True
-        return False
-
     def pin_many(self, entries: Sequence[BlockEntry]) -> list[BlockEntry]:
         """``pin`` of each; the entries this gave their first pin."""
         first = []
@@ -271,16 +263,6 @@ class BlockIndex:
                     last.append(entry)
         self.pinned -= len(last)
         return last
-
-    def unpin(self, entry: BlockEntry) -> bool:
-        """True when this was the block's last pin (False for a block already removed)."""
-        if entry.pins <= 0:
-            return False
-        entry.pins -= 1
-        if entry.pins == 0:
-            self.pinned -= 1
-            return True
-        return False
 
     def sealed_in(self, ns_index: int) -> int:
         return self._sealed_per_ns.get(ns_index, 0)
