@@ -40,6 +40,8 @@ class ProcessGroup:
     """Every process of a process group led by `leader` (its own session, as our launchers start
     them): signalled together, and waited on until every thread is stopped."""
 
+    SETTLE_S = 0.5  # every thread of a healthy group reaches T within milliseconds
+
     def __init__(self, leader: int):
         self.leader = leader
         self.pgid = os.getpgid(leader)
@@ -58,15 +60,27 @@ class ProcessGroup:
         return out
 
     def stop(self, timeout_s: float = 10.0) -> list[int]:
-        """SIGSTOP the group; returns once every thread of every process is stopped (state T)."""
+        """SIGSTOP the group; returns once every thread of every process is stopped (state T).
+
+        A process caught inside vfork (Python's subprocess spawns that way) cannot stop: it waits,
+        uninterruptibly, for its child to exec, and the child has just been stopped before it
+        could. Such a group never settles, so an attempt that has not settled within
+        `SETTLE_S` is released (SIGCONT), given a moment to finish the spawn, and stopped again.
+        """
         pids = self.pids()
-        os.killpg(self.pgid, signal.SIGSTOP)
         deadline = time.monotonic() + timeout_s
-        while not all(_all_threads_stopped(pid) for pid in pids):
-            if time.monotonic() > deadline:
+        while True:
+            os.killpg(self.pgid, signal.SIGSTOP)
+            settle_by = min(deadline, time.monotonic() + self.SETTLE_S)
+            while time.monotonic() < settle_by:
+                if all(_all_threads_stopped(pid) for pid in pids):
+                    return pids
+                time.sleep(0.002)
+            if time.monotonic() >= deadline:
                 raise TimeoutError(f"process group {self.pgid} did not stop within {timeout_s} s")
-            time.sleep(0.002)
-        return pids
+            self.cont()
+            time.sleep(0.02)
+            pids = self.pids()  # the spawn that held it may have added a process
 
     def cont(self) -> None:
         os.killpg(self.pgid, signal.SIGCONT)
