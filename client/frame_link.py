@@ -89,6 +89,15 @@ class _Conn:
         self.sock.close()
 
 
+class PendingAnswer:
+    """A call sent on ``conn`` whose answer is not read yet (FrameLink.start)."""
+
+    __slots__ = ("conn", "fresh", "frame", "deadline")
+
+    def __init__(self, conn: _Conn, fresh: bool, frame: bytes, deadline: float):
+        self.conn, self.fresh, self.frame, self.deadline = conn, fresh, frame, deadline
+
+
 class FrameLink:
     """Connections to one server's local socket at ``path``, for one session (thread-safe).
 
@@ -133,13 +142,53 @@ class FrameLink:
 
         Raises NotSent, TimeoutError or LinkFailed (module docstring).
         """
+        return self.finish(self.start(frame, deadline))
+
+    def start(self, frame: bytes, deadline: float) -> PendingAnswer:
+        """Sends one request frame and returns at once: ``finish`` collects its answer (or
+        ``abandon`` drops it). The connection is the call's until then, so a caller can have
+        several calls out at once - a save's next allocation while it copies the current batch.
+        Raises NotSent or TimeoutError; a LinkFailed only comes with the answer."""
         if not self.usable:
             raise NotSent("resting")
-        fresh_only = False
+        return self._send_on(frame, deadline, fresh_only=False)
+
+    def finish(self, pending: PendingAnswer) -> bytes:
+        """The answer's body of a started call. Raises NotSent, TimeoutError or LinkFailed."""
+        while True:
+            conn = pending.conn
+            left = pending.deadline - time.monotonic()
+            try:
+                frames.spin_until_readable(conn.poller, max(min(self.spin_s, left), 0.0), self._yield)
+                body = frames.read_frame(conn.sock, self._max_frame, pending.deadline)
+            except TimeoutError:
+                self._drop(conn)
+                raise
+            except (OSError, frames.FrameError) as exc:
+                self._drop(conn)
+                raise LinkFailed(f"{self._what} failed mid-call: {exc}") from exc
+            if body is None:
+                self._drop(conn)
+                raise LinkFailed(f"{self._what} closed the connection mid-call")
+            if not body:  # GOODBYE: the server closed this connection without reading the request
+                self._drop(conn)
+                if pending.fresh:
+                    self.rest("the server is closing its connections")
+                    raise NotSent("the server said goodbye")
+                pending = self._send_on(pending.frame, pending.deadline, fresh_only=True)
+                continue
+            self._put_back(conn)  # the stream is in step again: the next call may take it
+            return body
+
+    def abandon(self, pending: PendingAnswer) -> None:
+        """Gives up on a started call's answer: its connection is closed (an unread answer would put
+        the stream out of step). The request may still run; undoing it is the caller's business."""
+        self._drop(pending.conn)
+
+    def _send_on(self, frame: bytes, deadline: float, fresh_only: bool) -> PendingAnswer:
         while True:
             conn, fresh = self._take(deadline, fresh_only)
-            left = deadline - time.monotonic()
-            if left <= 0:
+            if deadline - time.monotonic() <= 0:
                 self._put_back(conn)
                 raise TimeoutError("deadline passed")
             try:
@@ -154,27 +203,7 @@ class FrameLink:
                     raise NotSent(f"send failed: {exc}") from exc
                 fresh_only = True  # the server closed it while idle: nothing was read
                 continue
-            try:
-                frames.spin_until_readable(conn.poller, min(self.spin_s, left), self._yield)
-                body = frames.read_frame(conn.sock, self._max_frame, deadline)
-            except TimeoutError:
-                self._drop(conn)
-                raise
-            except (OSError, frames.FrameError) as exc:
-                self._drop(conn)
-                raise LinkFailed(f"{self._what} failed mid-call: {exc}") from exc
-            if body is None:
-                self._drop(conn)
-                raise LinkFailed(f"{self._what} closed the connection mid-call")
-            if not body:  # GOODBYE: the server closed this connection without reading the request
-                self._drop(conn)
-                if fresh:
-                    self.rest("the server is closing its connections")
-                    raise NotSent("the server said goodbye")
-                fresh_only = True
-                continue
-            self._put_back(conn)  # the stream is in step again: the next call may take it
-            return body
+            return PendingAnswer(conn, fresh, frame, deadline)
 
     def send(self, frame: bytes, timeout_s: float) -> bool:
         """Sends a request that wants no answer; False if not sent (use gRPC). Only on an idle open

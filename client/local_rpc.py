@@ -16,12 +16,12 @@ import time
 
 import grpc
 
-from pegaflow.client.frame_link import FrameLink, LinkFailed, LocalRpcError, NotSent
+from pegaflow.client.frame_link import FrameLink, LinkFailed, LocalRpcError, NotSent, PendingAnswer
 from pegaflow.common.wire import local_rpc as wire
 from pegaflow.common.wire.frames import FrameError
 from pegaflow.proto import pegaflow_pb2 as pb
 
-__all__ = ["LocalRpcClient", "LocalRpcError"]
+__all__ = ["LocalRpcClient", "LocalRpcError", "PendingCall"]
 
 # How long a caller polls for its answer before sleeping in the kernel. On the 2-vCPU VM we
 # measured, waking a sleeping thread adds ~50-70 us to a round trip (~110 us instead of ~60 us;
@@ -33,6 +33,28 @@ _SERVICE = pb.DESCRIPTOR.services_by_name["Engine"]
 _RESPONSE_TYPES = {
     name: getattr(pb, _SERVICE.methods_by_name[name].output_type.name) for name in wire.LOCAL_METHODS
 }
+
+
+class PendingCall:
+    """A local call whose answer is still out (LocalRpcClient.start)."""
+
+    __slots__ = ("_client", "_method", "_pending", "_done")
+
+    def __init__(self, client: LocalRpcClient, method: str, pending: PendingAnswer):
+        self._client, self._method, self._pending, self._done = client, method, pending, False
+
+    def result(self):
+        """The response message, as ``LocalRpcClient.call`` gives it (None: not run, use gRPC)."""
+        if self._done:
+            raise RuntimeError("PendingCall.result() called twice")
+        self._done = True
+        return self._client._answer(self._method, self._pending)
+
+    def abandon(self) -> None:
+        """Stops waiting for the answer (the request may still run)."""
+        if not self._done:
+            self._done = True
+            self._client._link.abandon(self._pending)
 
 
 class LocalRpcClient:
@@ -76,6 +98,12 @@ class LocalRpcClient:
 
     def call(self, method: str, request, deadline: float):
         """The response message; None if the request was not sent (use gRPC); raises LocalRpcError."""
+        pending = self.start(method, request, deadline)
+        return None if pending is None else pending.result()
+
+    def start(self, method: str, request, deadline: float) -> PendingCall | None:
+        """Sends the request and returns at once (``PendingCall.result`` waits for the answer); None
+        if it was not sent (use gRPC); raises LocalRpcError."""
         if method not in wire.LOCAL_METHODS or not self._link.usable:
             return None
         payload = request.SerializeToString()
@@ -85,8 +113,17 @@ class LocalRpcClient:
         if left <= 0:
             raise LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
         try:
-            body = self._link.call(wire.encode_request(method, payload, left), deadline)
-            answer = wire.decode_response(body)
+            return PendingCall(
+                self, method, self._link.start(wire.encode_request(method, payload, left), deadline)
+            )
+        except NotSent:
+            return None
+        except TimeoutError:
+            raise LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+
+    def _answer(self, method: str, pending: PendingAnswer):
+        try:
+            answer = wire.decode_response(self._link.finish(pending))
         except NotSent:
             return None
         except TimeoutError:

@@ -27,11 +27,12 @@ from collections.abc import Sequence
 
 import grpc
 
-from pegaflow.client import doorbell, errors
+from pegaflow.client import doorbell, errors, pending_rpc
 from pegaflow.client import rpc_codec as codec
 from pegaflow.client.base import ClientBase, Connection, HeartbeatWatch, log
 from pegaflow.client.device import DeviceHandle, DeviceSave, registration_request
 from pegaflow.client.local_rpc import LocalRpcClient
+from pegaflow.client.pending_rpc import PendingRpc
 from pegaflow.client.pool_map import PoolMapping
 from pegaflow.client.types import InstanceHandle, KvLayout, Location, PrefixHit, QueryPurpose, SaveBatch
 from pegaflow.proto import pegaflow_pb2 as pb
@@ -244,8 +245,43 @@ class PegaClient(ClientBase):
         req = self._seal_request(save_id, hashes, checksums)
         return self._call("SealBlocks", req, timeout_s).sealed
 
-    def abort(self, save_id: str, timeout_s: float | None = None) -> int:
-        return self._call("AbortBlocks", pb.AbortBlocksRequest(save_id=save_id), timeout_s).freed
+    def allocate_async(
+        self, inst: InstanceHandle, hashes: Sequence[bytes], timeout_s: float | None = None
+    ) -> PendingRpc[SaveBatch]:
+        """``allocate``, sent now and answered by ``result()`` (client/pending_rpc.py): a save
+        allocates its next batch while it copies this one. An abandoned allocation is aborted."""
+        req = self._allocate_request(inst, hashes)
+        conn = self._require()
+        req.session_id = conn.session_id
+        deadline = time.monotonic() + self._timeout(timeout_s)
+
+        def undo() -> None:
+            self._send("AbortBlocks", pb.AbortBlocksRequest(save_id=req.save_id))
+
+        return pending_rpc.start(self, conn, "AllocateBlocks", req, deadline, codec.save_batch, undo)
+
+    def seal_async(
+        self,
+        save_id: str,
+        hashes: Sequence[bytes] | None = None,
+        timeout_s: float | None = None,
+        checksums: Sequence[int] = (),
+    ) -> PendingRpc[int]:
+        """``seal``, sent now and answered by ``result()``: a save seals a batch while it copies the next."""
+        req = self._seal_request(save_id, hashes, checksums)
+        conn = self._require()
+        req.session_id = conn.session_id
+        deadline = time.monotonic() + self._timeout(timeout_s)
+        return pending_rpc.start(self, conn, "SealBlocks", req, deadline, lambda resp: resp.sealed)
+
+    def abort(self, save_id: str, timeout_s: float | None = None, wait: bool = True) -> int:
+        """Frees a save's unsealed allocations; the number freed (0 with ``wait=False``: sent
+        without waiting for the answer, as an undo on an error path is)."""
+        req = pb.AbortBlocksRequest(save_id=save_id)
+        if not wait:
+            self._send("AbortBlocks", req, timeout_s)
+            return 0
+        return self._call("AbortBlocks", req, timeout_s).freed
 
     # --------------------------------------------------------- GPU data path
 
@@ -366,10 +402,14 @@ class PegaClient(ClientBase):
                 timeout = max(deadline - time.monotonic(), 0.001)  # not sent there: gRPC, same deadline
             return getattr(conn.stub, method)(request, timeout=timeout)
         except (grpc.RpcError, ValueError) as err:
-            exc = self._translate(err, method)
+            raise self._failed(conn, err, method) from None
+
+    def _failed(self, conn: Connection, err: Exception, method: str) -> errors.PegaflowError:
+        """The error a failed call raises (the connection dropped first when it is lost)."""
+        exc = self._translate(err, method)
         if codec.needs_reconnect(exc):
             self._lost(conn, exc)
-        raise exc
+        return exc
 
     def _send(self, method: str, request, timeout_s: float | None = None) -> None:
         """Fire-and-forget (a release, or the undo of what a timed-out call may still be granted, by its

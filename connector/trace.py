@@ -21,7 +21,8 @@ Spans recorded (role: name, what it covers):
   worker     load_all          the load thread's copy of every layer at once (resident fast path)
   worker     layer_wait        the forward waiting in wait_for_layer_load (one layer)
   worker     finish_step       wait_for_save's own work (close loads, queue saves)
-  worker     save_allocate / save_copy / save_seal   one save batch's phases, on the save thread
+  worker     save_batches      one save job on the save thread: its batches allocated, copied, sealed
+  worker     save_copy         one batch's copy into the pool, inside save_batches
   worker     release           ReleaseLease RPCs after a load (housekeeping thread)
 
 `summarize(events, windows)` condenses them per phase (count, total, mean, P50/P99 ms) and per

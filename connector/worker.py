@@ -228,6 +228,10 @@ class _LoadJob:
         self.done.set()
 
 
+class _SaveCancelled(Exception):
+    """A save job's copy found the job cancelled (its request preempted): the save stops there."""
+
+
 class _SaveJob:
     """One step's saves (deduplicated by hash). Preemption cancels it under `lock`, which
     the save thread holds while it copies: a cancelled job never reads the blocks again."""
@@ -942,13 +946,8 @@ class WorkerConnector:
             if self.gpu is not None:
                 if not self._save_cuda(client, inst, job):
                     return
-            else:
-                start = 0
-                for chunk in batches(job.hashes, client):
-                    ids = job.block_ids[start : start + len(chunk)]
-                    start += len(chunk)
-                    if not self._save_batch(client, inst, job, ids, chunk):
-                        return
+            elif not self._save_host(client, inst, job):
+                return
             self.metrics.observe("save_seconds", time.monotonic() - t0)
         except errors.ServerUnavailable as exc:
             self.link.report_failure(exc, "save")
@@ -971,58 +970,61 @@ class WorkerConnector:
         self.stats["save_jobs_failed"] += 1
         self.metrics.add("save_failures")
 
-    def _save_batch(
-        self, client: Any, inst: Any, job: _SaveJob, block_ids: list[int], hashes: list[bytes]
-    ) -> bool:
-        """allocate -> copy the granted blocks -> seal. False when the job was cancelled."""
+    def _save_host(self, client: Any, inst: Any, job: _SaveJob) -> bool:
+        """The job's blocks, in the largest batches the server takes, through the client's save
+        pipeline (client/save_pipeline.py: allocate -> copy the granted blocks -> seal, the next
+        batch's allocation and the previous one's seal answered while a batch is copied). False
+        when the job was cancelled."""
         from pegaflow.client import errors
+        from pegaflow.client.save_pipeline import save_batches
 
         assert self.pages is not None
-        t0 = time.monotonic()
-        batch = client.allocate(inst, hashes, timeout_s=self.cfg.rpc_timeout_s)
-        if _trace.enabled:
-            _trace.span("save_allocate", t0, blocks=len(hashes))
-        granted = [i for i, a in enumerate(batch.allocations) if a.granted]
-        self.stats["save_blocks_deduplicated"] += len(hashes) - len(granted)
-        self.metrics.add("save_deduplicated_blocks", len(hashes) - len(granted))
-        if not granted or not batch.save_id:
-            return True
-        sealed = False
-        try:
-            if any(batch.allocations[i].length != self.pages.block_bytes for i in granted):
-                raise errors.PegaflowError(f"granted locations are not {self.pages.block_bytes} B")
+        block_bytes = self.pages.block_bytes
+        chunks = batches(job.hashes, client)
+        starts = [0]
+        for chunk in chunks:
+            starts.append(starts[-1] + len(chunk))
+
+        def write(i: int, batch: Any) -> tuple[int, ...] | list[int]:
+            granted = [k for k, a in enumerate(batch.allocations) if a.granted]
+            if any(batch.allocations[k].length != block_bytes for k in granted):
+                raise errors.PegaflowError(f"granted locations are not {block_bytes} B")
+            ids = job.block_ids[starts[i] : starts[i + 1]]
             pool = self._pool_tensor(client, batch.epoch)
             runs = plan_runs(
-                [block_ids[i] for i in granted],
-                [batch.allocations[i].offset for i in granted],
-                self.pages.block_bytes,
+                [ids[k] for k in granted], [batch.allocations[k].offset for k in granted], block_bytes
             )
             t1 = time.monotonic()
             with job.lock:
                 if job.cancelled:
-                    return False
+                    raise _SaveCancelled
                 self.pages.save_blocks(pool, runs)
             del pool
-            checksums = ()
+            checksums: tuple[int, ...] | list[int] = ()
             if self.cfg.block_checksums:
                 from pegaflow.client import block_checksums
 
                 checksums = block_checksums(
-                    client.pool_view(batch.epoch), [batch.allocations[i] for i in granted]
+                    client.pool_view(batch.epoch), [batch.allocations[k] for k in granted]
                 )
-            t2 = time.monotonic()
-            client.seal(batch.save_id, timeout_s=self.cfg.rpc_timeout_s, checksums=checksums)
             if _trace.enabled:
-                _trace.span("save_copy", t1, t2, blocks=len(granted))
-                _trace.span("save_seal", t2)
-            sealed = True
-            self.stats["saved_blocks"] += len(granted)
-            self.metrics.add("save_blocks", len(granted))
-            self.metrics.add("save_bytes", len(granted) * self.pages.block_bytes)
-            return True
-        finally:
-            if not sealed:
-                self._abort_quietly(client, batch.save_id)
+                _trace.span("save_copy", t1, blocks=len(granted))
+            return checksums
+
+        t0 = time.monotonic()
+        try:
+            saved, sealed = save_batches(client, inst, chunks, write, timeout_s=self.cfg.rpc_timeout_s)
+        except _SaveCancelled:
+            return False
+        if _trace.enabled:
+            _trace.span("save_batches", t0, batches=len(chunks), blocks=len(job.hashes))
+        granted = sum(a.granted for batch in saved for a in batch.allocations)
+        self.stats["save_blocks_deduplicated"] += len(job.hashes) - granted
+        self.metrics.add("save_deduplicated_blocks", len(job.hashes) - granted)
+        self.stats["saved_blocks"] += sealed
+        self.metrics.add("save_blocks", sealed)
+        self.metrics.add("save_bytes", sealed * block_bytes)
+        return True
 
     def _save_cuda(self, client: Any, inst: Any, job: _SaveJob) -> bool:
         """One SaveFromDevice per batch: the server allocates, copies from GPU memory, seals.

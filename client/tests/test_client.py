@@ -22,29 +22,12 @@ from pegaflow.client import (
 )
 from pegaflow.client.backoff import Backoff
 from pegaflow.client.types import Allocation, AllocStatus, Location
-from pegaflow.server.config import MIB, ServerConfig
-from pegaflow.server.runtime import start_server
 from pegaflow.server.testing import ServerProcess, free_port, wait_for
 
 BLOCK = 64 * 1024
 LAYOUT = KvLayout(model_id="m", block_bytes=BLOCK, dtype="bfloat16", block_tokens=16, num_layers=2)
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture
-def inproc_server(tmp_path):
-    srv = start_server(
-        ServerConfig(
-            pool_size_bytes=32 * MIB,
-            addr="127.0.0.1:0",
-            http_addr=None,
-            fd_socket_path=str(tmp_path / "pool.sock"),
-            session_ttl_s=30.0,  # robust on a loaded machine; a closed pool connection still ends a session
-        )
-    )
-    yield srv
-    srv.stop()
 
 
 def roundtrip(c: PegaClient, inst, tag: str, n: int = 8) -> bool:
