@@ -66,3 +66,17 @@ class EvictionPolicy(abc.ABC):
 
         Returns None when nothing is evictable. Does not remove the key.
         """
+
+    def next_victims(self, n: int, skip: Callable[[Hashable], bool]) -> list[Hashable]:
+        """Up to ``n`` keys the engine should evict next, in that order (``next_victim``'s contract
+        for each: none removed, none skipped); fewer only when nothing more is evictable. The
+        engine evicts them all, then calls ``on_remove_many``. The default gives one at a time:
+        where the order of the next victims depends on each eviction (W-TinyLFU's admission duel
+        between the window and the main region) only the first is known."""
+        victim = self.next_victim(skip) if n > 0 else None
+        return [] if victim is None else [victim]
+
+    def on_remove_many(self, keys: Sequence[Hashable]) -> None:
+        """``on_remove`` of each key (a batch of evictions). Policies override it to lock once."""
+        for key in keys:
+            self.on_remove(key)

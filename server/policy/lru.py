@@ -64,3 +64,14 @@ class LRUPolicy(EvictionPolicy):
     def next_victim(self, skip: Callable[[Hashable], bool]) -> Hashable | None:
         with self._lock:
             return self._recency.coldest_unskipped(skip)
+
+    def next_victims(self, n: int, skip: Callable[[Hashable], bool]) -> list[Hashable]:
+        with self._lock:
+            return self._recency.coldest_unskipped_many(n, skip)
+
+    def on_remove_many(self, keys: Sequence[Hashable]) -> None:
+        with self._lock:
+            recency = self._recency
+            for key in keys:
+                if key in recency:
+                    recency.remove(key)

@@ -62,6 +62,23 @@ class ByteLRU:
     def coldest(self) -> Hashable | None:
         return next(iter(self._entries), None)
 
+    def coldest_unskipped_many(self, n: int, skip: Callable[[Hashable], bool]) -> list[Hashable]:
+        """The ``n`` coldest keys for which ``skip(key)`` is false (fewer when there are not as
+        many), coldest first: ``coldest_unskipped`` repeated with each key removed in between, in
+        one pass. The skipped keys passed over move to the most recent end, as there."""
+        entries = self._entries
+        out: list[Hashable] = []
+        passed: list[Hashable] = []
+        if n <= 0:
+            return out
+        for key in entries:  # nothing moves while iterating; the passed keys move after
+            (passed if skip(key) else out).append(key)
+            if len(out) >= n:
+                break
+        for key in passed:
+            entries.move_to_end(key)
+        return out
+
     def coldest_unskipped(self, skip: Callable[[Hashable], bool]) -> Hashable | None:
         """The coldest key for which ``skip(key)`` is false, or None.
 

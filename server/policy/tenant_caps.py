@@ -149,6 +149,19 @@ class TenantCappedPolicy(EvictionPolicy):
     def next_victim(self, skip: Callable[[Hashable], bool]) -> Hashable | None:
         return self.inner.next_victim(skip)
 
+    def next_victims(self, n: int, skip: Callable[[Hashable], bool]) -> list[Hashable]:
+        return self.inner.next_victims(n, skip)
+
+    def on_remove_many(self, keys: Sequence[Hashable]) -> None:
+        isolated = self._isolated_keys
+        self.inner.on_remove_many([key for key in keys if key not in isolated])
+        with self._lock:
+            for key in keys:
+                isolated.discard(key)
+                share = self._owner.pop(key, None)
+                if share is not None:
+                    share.remove(key)
+
     def _touch(self, key: Hashable) -> None:
         with self._lock:
             share = self._owner.get(key)

@@ -53,6 +53,39 @@ def test_a_batch_of_accesses_is_the_same_accesses_one_by_one(lfu):
     assert evict_all(batch) == evict_all(one)
 
 
+@pytest.mark.parametrize("lfu", [False, True], ids=["lru", "w-tinylfu"])
+def test_victims_in_batches_are_the_victims_one_by_one(lfu):
+    """next_victims + on_remove_many (the store's batched eviction) evict in the order next_victim +
+    on_remove would, skipping the same pinned keys; W-TinyLFU gives one at a time."""
+    rng = np.random.default_rng(11)
+    one, batch = make_policy(lfu, capacity_bytes=1000), make_policy(lfu, capacity_bytes=1000)
+    hits = [int(k) for k in rng.integers(0, 60, size=40)]
+    for policy in (one, batch):
+        for i in range(60):
+            policy.on_insert(i, 10)
+        for key in hits:
+            policy.on_access(key)
+    pinned = {3, 4, 5, 17, 40}.__contains__
+    got, want = [], evict_all(one, skip=pinned)
+    while victims := batch.next_victims(7, pinned):
+        assert len(victims) <= (1 if lfu else 7)
+        got += victims
+        batch.on_remove_many(victims)
+    assert got == want and len(got) == 55
+    assert batch.next_victims(3, pinned) == [] and len(batch) == 5
+
+
+def test_a_batch_of_victims_does_not_remove_them_and_rotates_the_skipped():
+    policy = LRUPolicy()
+    for i in range(6):
+        policy.on_insert(i, 1)
+    assert policy.next_victims(3, {0, 2}.__contains__) == [1, 3, 4]
+    assert policy.next_victims(3, never) == [1, 3, 4] and len(policy) == 6  # none removed
+    policy.on_remove_many([1, 3, 4])
+    assert policy.next_victims(3, never) == [5, 0, 2]  # 0 and 2, passed over, went to the recent end
+    assert len(policy) == 3 and policy.next_victims(0, never) == []
+
+
 def test_next_victim_does_not_remove():
     policy = LRUPolicy()
     policy.on_insert("a", 1)

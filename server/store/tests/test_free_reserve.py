@@ -218,3 +218,52 @@ def test_slots_another_namespace_held_are_zeroed_ahead_so_the_save_that_gets_the
         eng.seal_blocks(sid, res.save_id)
     finally:
         eng.close()
+
+
+def test_a_reserve_found_clean_is_not_taken_out_again_until_another_namespaces_slot_is_freed():
+    eng, sid, iid = make(RESERVE)
+    try:
+        store = eng._store
+        other = eng.register_instance(
+            sid, KvLayout(model_id="other", block_bytes=BLOCK, dtype="bf16")
+        ).instance_id
+        save(eng, sid, other, hashes(4, "o"))
+        lease = eng.query_prefix(sid, other, hashes(4, "o"), lease=True)  # pinned: never evicted
+        assert lease.num_hits == 4
+        # "m" fills the pool and goes on saving under pressure: the sole saver of this size, whose
+        # reserve the background thread refills with "m"'s own slots (nothing to zero).
+        save(eng, sid, iid, hashes(256, "m"))
+        for n in range(SOLE_SAVER_STREAK + 2):
+            save(eng, sid, iid, hashes(8, f"m{n}"))
+        assert store.free_reserve.sole_saver(BLOCK, 0) >= 0
+        until = time.monotonic() + 5
+        while (store.reserve_low() or eng.stats().reserve_zeroed_blocks) and time.monotonic() < until:
+            time.sleep(0.01)
+        taken_out: list[int] = []
+        allocate_many = store.allocator.allocate_many
+
+        def counting(block_bytes, count, hold=False, part=0):
+            got = allocate_many(block_bytes, count, hold, part)
+            taken_out.extend(got)
+            return got
+
+        with eng._lock:
+            store.allocator.allocate_many = counting
+            try:
+                assert store.take_unzeroed_reserve() == []  # the pass that finds it clean, if not done yet
+                taken_out.clear()
+                assert store.take_unzeroed_reserve() == []
+                assert taken_out == []  # found clean: not taken out and put back again
+            finally:
+                store.allocator.allocate_many = allocate_many
+        eng.release_lease(sid, lease.lease_id)
+        with eng._lock:
+            (entry,) = [e for e in (store.index.get((ns, b"o-0")) for ns in range(4)) if e is not None]
+            slot = entry.dram
+            store._evict_dram(entry)  # a slot of "other" is free now: foreign to "m"
+            slots = store.take_unzeroed_reserve()
+            assert [s[0] for s in slots] == [slot]
+            store.return_zeroed(slots)
+            assert store.take_unzeroed_reserve() == []
+    finally:
+        eng.close()

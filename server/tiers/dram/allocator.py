@@ -66,7 +66,7 @@ class _Slab:
 
 
 class _SizeClass:
-    __slots__ = ("block_bytes", "stride", "slabs", "partial", "partial_heap", "used", "free_slots")
+    __slots__ = ("block_bytes", "stride", "slabs", "partial", "partial_heap", "used", "free_slots", "cuts")
 
     def __init__(self, block_bytes: int, stride: int):
         self.block_bytes = block_bytes
@@ -78,6 +78,7 @@ class _SizeClass:
         self.partial_heap: list[int] = []
         self.used = 0
         self.free_slots = 0  # free slots in this size's slabs
+        self.cuts = 0  # slabs assigned to this size so far: each brings free slots of unknown contents
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,6 +234,11 @@ class SlabAllocator:
         """Free slots of this size in ``part``'s slabs already cut for it (free slabs not counted)."""
         cls = self._classes.get((part, block_bytes))
         return cls.free_slots if cls is not None else 0
+
+    def cuts(self, block_bytes: int, part: int = 0) -> int:
+        """How many slabs of ``part`` were assigned to this size so far (monotonic)."""
+        cls = self._classes.get((part, block_bytes))
+        return cls.cuts if cls is not None else 0
 
     def free(self, offset: int) -> None:
         """Returns a slot. An emptied slab goes back to its part's free list, available to any size."""
@@ -412,6 +418,7 @@ class SlabAllocator:
         self._slabs[index] = slab
         cls.slabs.add(index)
         cls.free_slots += nslots
+        cls.cuts += 1
         self._mark_partial(cls, index)
         return slab
 

@@ -47,6 +47,19 @@ def test_sizes_get_separate_slabs_and_empty_slabs_return_to_the_pool():
     assert alloc.used_bytes == 3 * MIB
 
 
+def test_cuts_count_every_slab_assigned_to_a_size_reused_or_not():
+    alloc = SlabAllocator(16 * MIB, slab_bytes=4 * MIB)  # 4 slabs of 2 blocks of 2 MiB
+    assert alloc.cuts(2 * MIB) == 0
+    first = alloc.allocate_many(2 * MIB, 2)
+    assert alloc.cuts(2 * MIB) == 1
+    alloc.allocate_many(2 * MIB, 1)
+    assert alloc.cuts(2 * MIB) == 2
+    for offset in first:  # the first slab empties, goes back to the pool, and is cut again
+        alloc.free(offset)
+    alloc.allocate_many(2 * MIB, 3)  # the second slab's free slot, then the first slab cut anew
+    assert alloc.cuts(2 * MIB) == 3 and alloc.cuts(MIB) == 0
+
+
 def test_full_pool_returns_none_and_reclaimable_slab_picks_the_emptiest_other_size():
     alloc = SlabAllocator(16 * MIB, slab_bytes=4 * MIB)  # 4 slabs
     big = [alloc.allocate(1 * MIB) for _ in range(12)]  # 3 slabs of 1 MiB blocks
