@@ -47,6 +47,7 @@ import urllib.request
 import numpy as np
 
 from pegaflow.client import KvLayout, PegaClient, block_checksums, read_blocks, verify_blocks, write_blocks
+from pegaflow.client.save_pipeline import save_batches
 from pegaflow.server.config import parse_size
 from pegaflow.server.testing import ServerProcess
 from pegaflow.server.tiers.dram.region import read_meminfo
@@ -57,6 +58,10 @@ KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 QUERY_HASHES = 128
 QUERY_HITS = 64
 PER_ROUND = 2  # batches per thread per round: with 2 in flight, one thread's RPCs overlap the other's copy
+# Batches per thread in a pipelined save (client/save_pipeline.py): a stream, as a long prompt's save
+# is, where all but the first allocation and the last seal hide behind copies. Its reference is a
+# plain memcpy of the same batches, same threads, same round.
+PIPELINED_BATCHES = 8
 
 
 def layout(block_bytes: int, tag: str = "bench") -> KvLayout:
@@ -111,6 +116,9 @@ def throughput(
     namespace held, which the server zeroes before granting them (issue 12's F2: a seal of unwritten
     bytes must not expose another namespace's data), the cost a pool shared by several models pays.
 
+    Each round also saves a stream of PIPELINED_BATCHES batches per thread through the client's
+    save pipeline (client/save_pipeline.py), against a plain memcpy of the same stream.
+
     Two references, copying the same bytes with the same threads in the same round: a plain
     numpy memcpy between ordinary arrays (the issue's bar), and the same numpy copies into /
     out of the pool mapping with no RPC at all (isolates what the protocol costs from what the
@@ -133,6 +141,7 @@ def throughput(
         plain_pos = [0] * inflight
         last: list[list[bytes]] = [[] for _ in range(inflight)]
         last_allocs: list[list] = [[] for _ in range(inflight)]
+        pipelined_blocks: list[int] = []  # blocks each pipelined save sealed (list.append: thread-safe)
         rpc_s: list[float] = []
         c.wait_pool_populated(120)
         # This VM (nested PVM, shadow page tables) charges a hypervisor exit for the first user-space
@@ -166,6 +175,24 @@ def throughput(
                     raise RuntimeError("benchmark batch was not fully granted")
                 last[k], last_allocs[k] = hashes, batch.allocations
 
+        def save_pipelined(k: int, round_ids) -> None:
+            # The same batches, through client/save_pipeline.py: the next batch's allocation and the
+            # previous one's seal are answered while this one is copied.
+            chunks = [[f"{k}-{r}-p{i}".encode() for i in range(batch_blocks)] for r in round_ids]
+
+            def write(i: int, batch) -> tuple:
+                write_blocks(c.pool_view(batch.epoch), batch.allocations, src[k])
+                return ()
+
+            batches, sealed = save_batches(c, inst, chunks, write)
+            granted = sum(a.granted for b in batches for a in b.allocations)
+            if sealed != granted:
+                raise RuntimeError(f"pipelined save sealed {sealed} of the {granted} blocks granted")
+            # Two batches per thread are allocated at once here: where that is more than the
+            # session's share of unsealed space (the largest case), the server grants part of the
+            # second; the throughput counts the bytes saved.
+            pipelined_blocks.append(sealed)
+
         def load(k: int, n: int, summed: bool = False) -> None:
             for _ in range(n):
                 t0 = time.perf_counter()
@@ -187,6 +214,11 @@ def throughput(
                 plain_pos[k] = (plain_pos[k] + 1) % ring
                 np.copyto(plain_dst[k][plain_pos[k]], src[k])
 
+        def plain_write_stream(k: int) -> None:
+            for _ in range(PIPELINED_BATCHES):
+                plain_pos[k] = (plain_pos[k] + 1) % ring
+                np.copyto(plain_dst[k][plain_pos[k]], src[k])
+
         def plain_read(k: int) -> None:
             for _ in range(PER_ROUND):
                 np.copyto(out[k], plain_dst[k][plain_pos[k]])
@@ -202,6 +234,7 @@ def throughput(
         # Warm-up: first touch of code paths and of the client's page tables for the pool.
         run_threads(lambda k: save(k, ["warm"]), inflight)
         run_threads(lambda k: load(k, 1), inflight)
+        run_threads(lambda k: save_pipelined(k, [f"warm.{i}" for i in range(PIPELINED_BATCHES)]), inflight)
         for k in range(inflight):
             if not np.array_equal(out[k], src[k]):
                 raise RuntimeError("loaded bytes differ from saved bytes")
@@ -218,6 +251,8 @@ def throughput(
                 "pool_memcpy_write_gbps",
                 "pool_memcpy_read_gbps",
                 "save_vs_memcpy",
+                "save_pipelined_gbps",
+                "save_pipelined_vs_memcpy",
                 "load_vs_memcpy",
                 "save_vs_pool_memcpy",
                 "load_vs_pool_memcpy",
@@ -230,6 +265,7 @@ def throughput(
             )
         }
         save_rpc, load_rpc = [], []
+        pipelined_share: list[float] = []
         for r in range(rounds):
             rpc_s.clear()
             t_save = run_threads(lambda k, r=r: save(k, [f"{r}.{i}" for i in range(PER_ROUND)]), inflight)
@@ -241,6 +277,16 @@ def throughput(
             load_rpc.extend(rpc_s)
             t_plain_b = run_threads(plain_read, inflight)
             t_pool_r = run_threads(pool_read, inflight)
+            pipelined_blocks.clear()
+            t_save_pipe = run_threads(
+                lambda k, r=r: save_pipelined(k, [f"{r}.{i}" for i in range(PIPELINED_BATCHES)]), inflight
+            )
+            t_plain_stream = run_threads(plain_write_stream, inflight)
+            pipe_share = sum(pipelined_blocks) / (PIPELINED_BATCHES * inflight * batch_blocks)
+            pipelined_share.append(pipe_share)
+            stream_bytes = PIPELINED_BATCHES * inflight * batch_blocks * block_bytes
+            rows["save_pipelined_gbps"].append(stream_bytes * pipe_share / t_save_pipe / 1e9)
+            rows["save_pipelined_vs_memcpy"].append(t_plain_stream * pipe_share / t_save_pipe)
             rpc_s.clear()
             t_save_sum = run_threads(
                 lambda k, r=r: save(k, [f"{r}.{i}" for i in range(PER_ROUND)], summed=True), inflight
@@ -274,6 +320,8 @@ def throughput(
         "save_checksummed_vs_memcpy_worst": min(rows["save_checksummed_vs_memcpy"]),
         "load_checksummed_vs_memcpy_worst": min(rows["load_checksummed_vs_memcpy"]),
         "save_vs_memcpy_worst": min(rows["save_vs_memcpy"]),
+        "save_pipelined_vs_memcpy_worst": min(rows["save_pipelined_vs_memcpy"]),
+        "save_pipelined_granted_share_min": min(pipelined_share),
         "load_vs_memcpy_worst": min(rows["load_vs_memcpy"]),
         "save_rpc_ms_median": med(save_rpc) * 1e3,
         "load_rpc_ms_median": med(load_rpc) * 1e3,
@@ -694,10 +742,14 @@ def _row_line(row: dict) -> str:
         f"worst {row[f'{op}_vs_memcpy_worst']:.0%})"
         for op in ("save", "load")
     )
+    pipe = (
+        f"pipelined save {row['save_pipelined_gbps']:.1f} GB/s ({row['save_pipelined_vs_memcpy']:.0%}, "
+        f"worst {row['save_pipelined_vs_memcpy_worst']:.0%})"
+    )
     refs = f"memcpy {row['memcpy_gbps']:.1f} GB/s, pool memcpy {row['pool_memcpy_write_gbps']:.1f}"
     rpc = f"rpc ms/batch {row['save_rpc_ms_median']:.2f}/{row['load_rpc_ms_median']:.2f}"
     summed = f"checksummed {row['save_checksummed_vs_memcpy']:.0%}/{row['load_checksummed_vs_memcpy']:.0%}"
-    return f"{size}: {save}, {load}; {refs}; {rpc}; {summed}"
+    return f"{size}: {save}, {pipe}, {load}; {refs}; {rpc}; {summed}"
 
 
 def run_latency(tmp: pathlib.Path, seconds: float) -> dict:
