@@ -1052,16 +1052,6 @@ class WorkerConnector:
             self.metrics.add("save_deduplicated_blocks", len(chunk) - written)
         return True
 
-    def _abort_quietly(self, client: Any, save_id: str) -> None:
-        from pegaflow.client import errors
-
-        try:
-            client.abort(save_id, timeout_s=self.cfg.rpc_timeout_s)
-        except errors.PegaflowError as exc:
-            log.debug(
-                "pegaflow: abort of %s failed (the server frees it at its write timeout): %s", save_id, exc
-            )
-
     def finished_sending(self, delayed_free_req_ids: Iterable[str]) -> set[str]:
         """Requests whose blocks vLLM kept for our saves and whose saves are now done."""
         self._awaiting_free.update(delayed_free_req_ids)
