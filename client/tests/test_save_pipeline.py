@@ -3,6 +3,8 @@ FrameLink.start / finish), against a real server over its local RPC socket and o
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -130,3 +132,18 @@ def test_calls_started_together_are_answered_in_any_order(server):
         assert idle(c)
         # Each call out at once had a connection of its own; both went back to the idle pool.
         assert len(c._conn.local._link._idle) >= 2
+
+
+def test_a_server_that_goes_away_mid_save_ends_it_with_server_unavailable(server):
+    with PegaClient(server.address, timeout_s=5.0) as c:
+        inst = c.register_instance(LAYOUT)
+
+        def write(i, batch):
+            if i == 1:
+                server.stop()  # gone while the stream is half written
+            return ()
+
+        t0 = time.monotonic()
+        with pytest.raises(errors.ServerUnavailable):
+            save_batches(c, inst, chain("gone", 4, 4), write)
+        assert time.monotonic() - t0 < 5.0  # raised, not left to the deadline
