@@ -34,6 +34,7 @@
             pkgs.iproute2
             pkgs.prometheus # prometheus + promtool for ops/tests/test_dashboard.py
             pkgs.etcd # metaserver replicas elect their leader through it (tests, bench)
+            pkgs.gcc # the server's native parts, built on first use (server/read_lane/, the io_uring binding)
             pkgs.gnumake
             pkgs.git
           ];

@@ -65,16 +65,19 @@ QUERY_INTERVAL_S = 1 / 250
 SETTLE_S = 1.0
 SPIN_S = 0.001  # the baselines' client: as our local RPC client (client/local_rpc.py SPIN_S)
 ALL_SYSTEMS = (
-    "asyncio", "uvloop", "zmq", "ours", "ours-5ms", "ours-noinsights", "ours-noreserve", "ours-si",
-    "ours-sketch-thread", "pegaflow",
+    "asyncio", "uvloop", "zmq", "ours", "ours-nolane", "ours-5ms", "ours-noinsights", "ours-noreserve",
+    "ours-si", "ours-sketch-thread", "pegaflow",
 )  # fmt: skip
 # Variants of ours (run_ours): "ours-5ms" leaves CPython's 5 ms GIL switch interval (the GPU data path
 # lowers it to 0.2 ms by default); "ours-noinsights" switches the lookup sketches (HLL ceiling and
 # miss-ratio curve) and the savings off (what that background work costs the request threads);
 # "ours-sketch-thread" runs the sketches on the server's metrics feeder thread as before 2026-12-04
 # (--lookup-sketches thread) instead of their own process; "ours-noreserve" runs the server with
-# --free-reserve 0 (saves evict for themselves, no evictions ahead on a thread of their own).
+# --free-reserve 0 (saves evict for themselves, no evictions ahead on a thread of their own);
+# "ours-nolane" runs it with --read-lane off: queries and releases served by the engine (over the local
+# RPC socket) instead of the read lane's native thread (server/read_lane/), as before 2026-12-05.
 OURS_VARIANTS = {
+    "ours-nolane": {"args": ["--read-lane", "off"]},
     "ours-5ms": {"runtime": {"SWITCH_INTERVAL_S": 1.0}},  # never lowered: CPython's 5 ms stays
     "ours-noinsights": {"no_insights": True},
     "ours-noreserve": {"args": ["--free-reserve", "0"]},
@@ -867,7 +870,9 @@ def run_ours(args, out: pathlib.Path, system: str = "ours", switch_interval: flo
         )
         res["grpc"] = phases(args, lambda: _ours_query(grpc_c, inst_g, hashes), spec, out, ("proc",))
         res["transports"] = dict(
-            local=local.local_rpc_socket or "(gRPC)", grpc=grpc_c.local_rpc_socket or "(gRPC)"
+            local=local.local_rpc_socket or "(gRPC)",
+            grpc=grpc_c.local_rpc_socket or "(gRPC)",
+            read_lane=local._conn.lane is not None,  # the "local" queries went to the read lane first
         )
     except Exception as exc:  # noqa: BLE001 - recorded
         res["error"] = repr(exc)[:500]

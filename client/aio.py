@@ -27,7 +27,8 @@ from pegaflow.client.types import InstanceHandle, KvLayout, Location, PrefixHit,
 
 class AsyncPegaClient:
     def __init__(self, *args, **kwargs):
-        """Arguments as ``PegaClient``'s (address, timeout_s, name, map_pool, backoff, auth, local_rpc)."""
+        """Arguments as ``PegaClient``'s (address, timeout_s, name, map_pool, backoff, auth, local_rpc,
+        read_lane)."""
         self.sync = PegaClient(*args, **kwargs)
 
     # ------------------------------------------------------------- state (no I/O)

@@ -32,7 +32,18 @@ log = logging.getLogger("pegaflow.client")
 class Connection:
     """Everything that belongs to one session; replaced as a whole on reconnect."""
 
-    __slots__ = ("channel", "stub", "session_id", "epoch", "pool", "heartbeat_s", "ttl_s", "limits", "local")
+    __slots__ = (
+        "channel",
+        "stub",
+        "session_id",
+        "epoch",
+        "pool",
+        "heartbeat_s",
+        "ttl_s",
+        "limits",
+        "local",
+        "lane",
+    )
 
     def __init__(
         self, channel, stub: pb_grpc.EngineStub, resp: pb.OpenSessionResponse, pool: PoolMapping | None
@@ -46,6 +57,7 @@ class Connection:
         self.ttl_s: float = resp.ttl_ms / 1000.0
         self.limits: ServerLimits = codec.limits_from(resp.limits)
         self.local = None  # LocalRpcClient: the session's local RPC socket, when the client uses one
+        self.lane = None  # ReadLaneClient: the server's read lane, when it offers one and it is here
 
 
 class HeartbeatWatch:

@@ -13,7 +13,9 @@ ServerUnavailable, which a cache user treats as a miss.
 On the server's host the frequent unary calls (queries, saves, releases, registrations, stats)
 travel over the server's local RPC socket (``client/local_rpc.py``): the same messages and
 semantics for ~0.05 ms instead of a gRPC round trip's ~0.7 ms; a call falls back to gRPC
-whenever that socket cannot take it.
+whenever that socket cannot take it. Prefix queries, and the releases of the leases they take, go
+first to the server's read lane (``client/read_lane.py``), which answers them out of the server's
+interpreter; what it leaves to the engine goes the way above.
 
 Create the client in the process that uses it (after any fork).
 """
@@ -34,16 +36,20 @@ from pegaflow.client.device import DeviceHandle, DeviceSave, registration_reques
 from pegaflow.client.local_rpc import LocalRpcClient
 from pegaflow.client.pending_rpc import PendingRpc
 from pegaflow.client.pool_map import PoolMapping
+from pegaflow.client.read_lane import NOT_RUN, ReadLaneClient
 from pegaflow.client.types import InstanceHandle, KvLayout, Location, PrefixHit, QueryPurpose, SaveBatch
+from pegaflow.common.wire import read_lane as lane_wire
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
 
 
 class PegaClient(ClientBase):
-    def __init__(self, *args, local_rpc: bool = True, **kwargs):
+    def __init__(self, *args, local_rpc: bool = True, read_lane: bool = True, **kwargs):
         """Arguments as ``ClientBase``'s. ``local_rpc=False``: every call over gRPC, even where the
-        server offers its local RPC socket."""
+        server offers its local RPC socket (and no read lane). ``read_lane=False``: queries go to the
+        engine even where the server offers its read lane."""
         self.local_rpc = local_rpc
+        self.read_lane = read_lane and local_rpc
         super().__init__(*args, **kwargs)
 
     def _init_transport(self) -> None:
@@ -161,9 +167,14 @@ class PegaClient(ClientBase):
         ``purpose``: LOOKUP (a block request, counted in the server's hit statistics) or LOAD (the
         load of blocks a LOOKUP already counted, e.g. a worker leasing what its scheduler found).
         """
+        conn = self._require()
+        if conn.lane is not None:
+            hit = self._lane_query(conn, inst, hashes, lease, lease_ttl_s, timeout_s, purpose)
+            if hit is not NOT_RUN:
+                return hit
         req = self._query_request(inst, hashes, lease, lease_ttl_s, purpose)
         try:
-            return codec.prefix_hit(self._call("QueryPrefix", req, timeout_s))
+            return codec.prefix_hit(self._call("QueryPrefix", req, timeout_s, conn=conn))
         except errors.DeadlineExceeded:
             if lease:  # the server may still serve it late: release (or pre-empt) that lease
                 self._send("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=req.lease_id))
@@ -206,6 +217,18 @@ class PegaClient(ClientBase):
         done once its bytes are copied, and a release that fails leaves the lease to its TTL.
         ``corrupt_hashes``: blocks of the lease whose bytes failed their checksum (``verify_blocks``):
         the server checks them itself and drops those that fail."""
+        lane_lease = lane_wire.parse_lease_name(lease_id)
+        if lane_lease is not None and not corrupt_hashes:  # the engine checks reported blocks
+            conn = self._conn
+            if conn is not None and conn.lane is not None:
+                deadline = time.monotonic() + self._timeout(timeout_s)
+                try:
+                    if conn.lane.release(conn.session_id, lane_lease, loaded_bytes, deadline) is not NOT_RUN:
+                        return
+                except grpc.RpcError as err:
+                    if wait:
+                        raise self._failed(conn, err, "ReleaseLease") from None
+                    return
         req = pb.ReleaseLeaseRequest(
             lease_id=lease_id, loaded_bytes=loaded_bytes, corrupt_block_hashes=list(corrupt_hashes)
         )
@@ -388,6 +411,38 @@ class PegaClient(ClientBase):
 
     # -------------------------------------------------------------- internals
 
+    def _lane_query(
+        self,
+        conn: Connection,
+        inst: InstanceHandle,
+        hashes: Sequence[bytes],
+        lease: bool,
+        lease_ttl_s: float | None,
+        timeout_s: float | None,
+        purpose: QueryPurpose,
+    ):
+        """The query through the read lane: a PrefixHit, or NOT_RUN (send it to the engine)."""
+        hashes = self._hashes(hashes)
+        deadline = time.monotonic() + self._timeout(timeout_s)
+        lease_id = conn.lane.new_lease_id() if lease else 0
+        try:
+            hit = conn.lane.query(
+                conn.session_id,
+                self._instance_id(inst),
+                hashes,
+                lease_id,
+                lease_ttl_s,
+                QueryPurpose(purpose) == QueryPurpose.LOAD,
+                deadline,
+            )
+        except grpc.RpcError as err:
+            exc = self._failed(conn, err, "QueryPrefix")
+            if lease and isinstance(exc, errors.DeadlineExceeded):
+                # The server may still serve it late: release (or pre-empt) that lease, as below.
+                self._send("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=lane_wire.lease_name(lease_id)))
+            raise exc from None
+        return hit
+
     def _call(self, method: str, request, timeout_s: float | None, conn: Connection | None = None):
         conn = conn or self._require()
         if hasattr(request, "session_id"):
@@ -442,6 +497,8 @@ class PegaClient(ClientBase):
     def _drop_connection(self, conn: Connection) -> None:
         if conn.local is not None:
             conn.local.close()
+        if conn.lane is not None:
+            conn.lane.close()
         self._release_pool(conn)
         conn.channel.close()
 
@@ -475,6 +532,7 @@ class PegaClient(ClientBase):
                     )
                 conn = Connection(channel, stub, resp, pool)
                 conn.local = self._local_rpc_client(resp)
+                conn.lane = self._read_lane_client(resp)
                 with self._lock:
                     handles, devices = list(self._instances), list(self._devices)
                 for handle in handles:
@@ -510,6 +568,14 @@ class PegaClient(ClientBase):
         if not self.local_rpc or not path or not os.path.exists(path):
             return None
         return LocalRpcClient(path, resp.pool.epoch, codec.MAX_MESSAGE_BYTES)
+
+    def _read_lane_client(self, resp: pb.OpenSessionResponse) -> ReadLaneClient | None:
+        """The server's read lane, when it offers one and its socket exists here (the greeting's epoch
+        check catches a namesake on another host)."""
+        path = resp.read_lane_socket_path
+        if not self.read_lane or not path or not os.path.exists(path):
+            return None
+        return ReadLaneClient(path, resp.pool.epoch, codec.limits_from(resp.limits).max_batch_blocks or 4096)
 
     def _start_worker(self) -> None:
         with self._lock:

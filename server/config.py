@@ -73,6 +73,9 @@ class ServerConfig:
     # Where the lookup sketches (HLL ceiling, miss-ratio curve) run: "process", a child of the server
     # (metrics/sketch_process.py; the CLI's default), or "thread", the metrics feeder thread.
     lookup_sketches: str = "thread"
+    # Prefix queries and releases of DRAM blocks answered by native code out of the interpreter
+    # (server/read_lane/); off, or unavailable here: every query runs in the engine.
+    read_lane: bool = True
     # Unix socket that passes the pool fd; None = a fresh path under the system temp dir.
     fd_socket_path: str | None = None
     # Liveness: a client heartbeats every session_ttl_s / 5; silence for session_ttl_s kills its session.

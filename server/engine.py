@@ -30,6 +30,7 @@ import dataclasses
 import logging
 import os
 import secrets
+import select
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -37,6 +38,8 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from pegaflow import __version__
+from pegaflow.common.wire import read_lane as lane_wire
+from pegaflow.common.wire import status as wire_status
 from pegaflow.common.wire.checksum import checksum
 from pegaflow.common.wire.types import AllocStatus, Location, QueryPurpose, Tier
 from pegaflow.server.clients.leases import Lease
@@ -50,6 +53,7 @@ from pegaflow.server.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
+    NotFound,
     PoolCapacityError,
     ResourceExhausted,
 )
@@ -59,6 +63,7 @@ from pegaflow.server.movers.tier_io import TierMover
 from pegaflow.server.policy import make_policy
 from pegaflow.server.policy.placement import SsdPlacement, sighting_keys
 from pegaflow.server.policy.tenant_caps import TenantCappedPolicy
+from pegaflow.server.read_lane.lane import LaneSignals, ReadLane
 from pegaflow.server.store import persistence
 from pegaflow.server.store.block_store import BlockStore, IoBatch, StoreLimits
 from pegaflow.server.store.free_reserve import FreeSlotReserve
@@ -101,6 +106,10 @@ MAX_CORRUPT_CHECKS = 4  # reported blocks hashed again per ReleaseLease
 # Victims the free-slot reserve evicts per hold of the engine lock (a few us each): short enough that
 # a request waiting for the lock is not held up by more than ~0.1-0.2 ms.
 RESERVE_SLICE_BLOCKS = 32
+# The read lane's signals (server/read_lane/lane.py) are applied at most this long after its first
+# call since the last pass (so a pass carries many calls), and at least every LANE_TICK_S.
+LANE_BATCH_S = 0.002
+LANE_TICK_S = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +161,9 @@ class EngineObserver:
 
     def on_transfer(self, kind: str, nbytes: int, seconds: float, ok: int, failed: int) -> None:
         """A tier batch completed: kind "promote" (SSD -> DRAM) or "demote" (DRAM -> SSD)."""
+
+    def on_rpc(self, method: str, code: str, seconds: float) -> None:
+        """A call served outside the handler frame (the read lane): its method, status name, time."""
 
 
 class KVEngine:
@@ -218,6 +230,9 @@ class KVEngine:
         )
         checksums = config.persist_pool if config.block_checksums is None else config.block_checksums
         self._hasher = BlockHasher() if checksums else None
+        # Queries and releases of DRAM blocks answered natively (server/read_lane/); None: off or
+        # unavailable here. With an SSD tier (or peers) a chain that goes on beyond DRAM is the engine's.
+        self.lane = ReadLane.create(config, fallback_on_miss=ssd is not None)
         self._store = BlockStore(
             self.dram,
             self.policy,
@@ -231,6 +246,7 @@ class KVEngine:
             limits=StoreLimits(config.promote_inflight_bytes, config.demote_inflight_bytes),
             hasher=self._hasher,
             free_reserve=FreeSlotReserve(config.free_reserve_bytes),
+            lane=self.lane,
         )
         self._mover = TierMover(self._transfer_done)
         # Where the namespaces' layouts are kept beside persisted blocks: the SSD tier's records, the
@@ -271,6 +287,12 @@ class KVEngine:
                 target=self._reserve_loop, name="pegaflow-free-reserve", daemon=True
             )
             self._reserver.start()
+        self._lane_thread: threading.Thread | None = None
+        if self.lane is not None:
+            self._lane_thread = threading.Thread(
+                target=self._lane_loop, name="pegaflow-read-lane-signals", daemon=True
+            )
+            self._lane_thread.start()
         log.info(
             "engine: epoch %s, policy %s, %d slabs of %d bytes, ssd %s",
             self.epoch,
@@ -291,9 +313,11 @@ class KVEngine:
             self._changed.notify_all()
         self._stop.set()
         self._reserve_wanted.set()
-        for thread in (self._reaper, self._reserver):
+        for thread in (self._reaper, self._reserver, self._lane_thread):
             if thread is not None and thread.is_alive() and thread is not threading.current_thread():
                 thread.join(timeout=5)
+        if self.lane is not None:
+            self.lane.stop()
         self._close_parts()
 
     def _close_parts(self) -> None:
@@ -399,6 +423,15 @@ class KVEngine:
             session.read_only = read_only
             session.tenant = tenant
             part = self._part_of_session(session)
+            if self.lane is not None and not trusted:
+                # A tenant with a lease cap over its sessions is the engine's to count: not served there.
+                self.lane.add_session(
+                    session.id,
+                    part.base,
+                    int(self.config.session_leased_fraction * part.size_bytes),
+                    self.config.max_leases_per_session,
+                    tenant is None or tenant.leased_bytes is None,
+                )
         log.info(
             "session %s opened: %r pid %d on %r%s",
             session.id,
@@ -466,6 +499,8 @@ class KVEngine:
             tenant = session.tenant.name if session.tenant is not None else DEFAULT_TENANT
             namespace, new = self._namespaces.intern(layout, tenant)
             instance = self._registry.add_instance(session, namespace, name)
+            if self.lane is not None and not session.trusted:
+                self.lane.add_instance(instance.id, session.id, namespace.index, namespace.block_bytes)
         if new and self._state_dirs:
             # Off the lock, before any block of it can be saved: recovery maps records to it.
             self._save_namespaces()
@@ -487,6 +522,8 @@ class KVEngine:
     def unregister_instance(self, session_id: str, instance_id: str, deadline: float | None = None) -> None:
         with self._locked(deadline):
             self._registry.remove_instance(self._live(session_id), instance_id)
+            if self.lane is not None:
+                self.lane.remove_instance(instance_id)
 
     # ------------------------------------------------------------- load path
 
@@ -527,9 +564,9 @@ class KVEngine:
                 entries, num_ready, taken = scan.entries, scan.ready, ""
                 if lease and entries:
                     self._registry.check_lease_room(session)
-                    entries = self._within_lease_quota(session, entries, namespace.block_bytes)
+                    entries, charged = self._within_lease_quota(session, entries, namespace.block_bytes)
                     num_ready = min(num_ready, len(entries))
-                    taken = self._take_lease(session, instance_id, ns_index, entries, ttl, lease_id)
+                    taken = self._take_lease(session, instance_id, ns_index, entries, ttl, lease_id, charged)
                 ready = entries[:num_ready]
                 base = self._part_of_session(session).base
                 offsets = [e.dram - base for e in ready]
@@ -603,6 +640,9 @@ class KVEngine:
         """Locations of a lease's leading blocks once they are readable in DRAM: waits (until the
         deadline) for the ones still being promoted; a block whose promotion failed ends the prefix
         (the caller recomputes from there)."""
+        lane_lease = self._lane_lease_id(lease_id)
+        if lane_lease is not None:
+            return self._load_lane_lease(session_id, instance_id, lease_id, lane_lease, deadline)
         with self._locked(deadline):
             session = self._live(session_id)
             instance = self._registry.instance(session, instance_id)
@@ -642,12 +682,16 @@ class KVEngine:
         """Ends a lease. ``corrupt_hashes``: blocks of it whose bytes the client found not matching
         their checksum: each is hashed again here (a client's word alone drops nothing) and one
         that fails is dropped, so later queries miss it."""
+        lane_lease = self._lane_lease_id(lease_id)
+        if lane_lease is not None:
+            self._release_lane_lease(session_id, lease_id, lane_lease, loaded_bytes, deadline, corrupt_hashes)
+            return
         with self._locked(deadline):
             session = self._live(session_id)
             held = self._registry.lease(session, lease_id, time.monotonic())
             self._drop_lease(held)
             if corrupt_hashes:
-                self._check_reported_corrupt(held, corrupt_hashes)
+                self._check_reported_corrupt(held.entries, corrupt_hashes)
             age = time.monotonic() - held.created_at
             # A client reports what it read; never more than the lease holds (review finding F6).
             loaded_bytes = min(max(int(loaded_bytes), 0), sum(e.length for e in held.entries))
@@ -655,6 +699,65 @@ class KVEngine:
                 self.counters.load_bytes += loaded_bytes
         if loaded_bytes:
             self.observer.on_load(loaded_bytes, age)
+
+    # ------------------------------------------------------- read lane leases
+
+    def _lane_lease_id(self, lease_id: str) -> int | None:
+        """The read lane's number for a lease it took (``r-`` names); None for the engine's own."""
+        return lane_wire.parse_lease_name(lease_id) if self.lane is not None else None
+
+    def _lane_lease_entries(self, session_id: str, lease_name: str, lane_lease: int) -> list[BlockEntry]:
+        """Under the lock: the entries a lane lease of this session pins, in chain order."""
+        keys = self.lane.lease_keys(session_id, lane_lease)
+        if keys is None:
+            raise NotFound("lease", lease_name)
+        get = self._store.index.get
+        return [e for e in map(get, keys) if e is not None]
+
+    def _load_lane_lease(
+        self, session_id: str, instance_id: str, lease_name: str, lane_lease: int, deadline: float | None
+    ) -> PrefixResult:
+        """load_blocks of a lane lease: its blocks were readable when it was taken and stay so."""
+        with self._locked(deadline):
+            session = self._live(session_id)
+            instance = self._registry.instance(session, instance_id)
+            entries = self._lane_lease_entries(session_id, lease_name, lane_lease)
+            ready = 0
+            for entry in entries:
+                if not entry.dram_ready or entry.corrupt:
+                    break
+                ready += 1
+            base = self._part_of_session(session).base
+            offsets = [e.dram - base for e in entries[:ready]]
+            checksums = tuple(e.checksum or 0 for e in entries[:ready])
+        return PrefixResult(
+            ready, lease_name, offsets, instance.namespace.block_bytes, self.epoch, 0, checksums=checksums
+        )
+
+    def _release_lane_lease(
+        self,
+        session_id: str,
+        lease_name: str,
+        lane_lease: int,
+        loaded_bytes: int,
+        deadline: float | None,
+        corrupt_hashes: Sequence[bytes],
+    ) -> None:
+        """release_lease of a lane lease (one sent to the engine: over gRPC, or reporting corrupt
+        blocks, which the lane leaves to the engine). The reported blocks are checked while the lease
+        still pins them."""
+        with self._locked(deadline):
+            self._live(session_id)
+            if corrupt_hashes:
+                entries = self._lane_lease_entries(session_id, lease_name, lane_lease)
+                self._check_reported_corrupt(entries, corrupt_hashes)
+            released = self.lane.release(session_id, lane_lease, loaded_bytes)
+            if released is None:
+                raise NotFound("lease", lease_name)
+        nbytes, age = released
+        loaded = min(max(int(loaded_bytes), 0), nbytes)
+        if loaded:
+            self.observer.on_load(loaded, age)
 
     # ------------------------------------------------------------- save path
 
@@ -781,12 +884,16 @@ class KVEngine:
             )
             self._store.publishing = publisher is not None
             self._remote, self._publisher = remote, publisher
+            if self.lane is not None:
+                self.lane.set_fallback_on_miss(True)  # a local miss may be another node's hit
 
     def detach_peers(self) -> None:
         with self._locked(None):
             self._remote = self._publisher = None
             self._store.publishing = False
             self._store.published = []
+            if self.lane is not None:
+                self.lane.set_fallback_on_miss(self.ssd is not None)
 
     def open_transfer(self, namespace_id: str, hashes: Sequence[bytes], ttl_s: float):
         """A peer reads the leading DRAM blocks of ``hashes`` (server/peers/base.py, TransferSource):
@@ -863,6 +970,9 @@ class KVEngine:
     # ---------------------------------------------------------- introspection
 
     def stats(self, deadline: float | None = None) -> EngineStats:
+        if self.lane is not None:
+            # Every call the lane served before this one is counted in the answer, not a pass later.
+            self._apply_lane_signals(self.lane.drain())
         with self._locked(deadline):
             alloc = self.allocator.stats()
             index, store, registry = self._store.index, self._store.counters, self._registry
@@ -906,6 +1016,12 @@ class KVEngine:
                 setattr(stats, name, getattr(store, name))
             for name in type(self.counters).__slots__:
                 setattr(stats, name, getattr(self.counters, name))
+        if self.lane is not None:
+            lane = self.lane.stats()
+            stats.read_lane_leases = lane["leases"]
+            stats.read_lane_connections = lane["connections"]
+            stats.live_leases += lane["leases"]
+            stats.pinned_blocks += lane["pinned_blocks"]
         stats.hits = stats.dram_hits + stats.ssd_hits + stats.remote_hits
         stats.tiers = [self.dram.stats()] + ([self.ssd.stats()] if self.ssd is not None else [])
         if self.ssd is not None:
@@ -1022,29 +1138,42 @@ class KVEngine:
         for entry in reversed(hits):
             self.policy.on_refresh(entry.key)
 
-    def _within_lease_quota(self, session: Session, entries: list[BlockEntry], block_bytes: int) -> list:
-        """The leading part of ``entries`` the session may still pin; ResourceExhausted if none."""
+    def _within_lease_quota(
+        self, session: Session, entries: list[BlockEntry], block_bytes: int
+    ) -> tuple[list, bool]:
+        """The leading part of ``entries`` the session may still pin, and whether the read lane charged
+        it (with a lane the session quota is counted there, over both lanes' leases: uncharged when the
+        lease ends); ResourceExhausted if none."""
         if session.trusted:
-            return entries
-        room = int(self.config.session_leased_fraction * self._part_of_session(session).size_bytes)
-        room -= session.leased_bytes
+            return entries, False
         tenant_room = self._tenant_room(session, "leased_bytes")
-        fits = max(min(room, tenant_room), 0) // block_bytes
+        tenant_fits = len(entries) if tenant_room == float("inf") else int(max(tenant_room, 0) // block_bytes)
+        granted = None
+        if self.lane is not None:
+            want = min(len(entries), tenant_fits)
+            granted = self.lane.charge(session.id, want * block_bytes, block_bytes)
+            if granted is not None and granted < 0:
+                raise ResourceExhausted(f"session {session.id} holds the most leases it may (the limit)")
+        if granted is None:
+            room = int(self.config.session_leased_fraction * self._part_of_session(session).size_bytes)
+            fits = min(max(room - session.leased_bytes, 0) // block_bytes, tenant_fits)
+        else:
+            fits = granted // block_bytes
         if fits >= len(entries):
-            return entries
+            return entries, granted is not None
         self._count_quota_refusal(session)
         if fits == 0:
-            if tenant_room < room:
+            if tenant_fits == 0:
                 raise ResourceExhausted(
                     f"tenant {session.tenant.name} already pins {session.tenant.leased_bytes - tenant_room} "
                     f"bytes under leases over all its sessions (its limit is {session.tenant.leased_bytes}); "
                     "release leases first"
                 )
             raise ResourceExhausted(
-                f"session {session.id} already pins {session.leased_bytes} bytes under leases (its quota is "
-                f"{self.config.session_leased_fraction:.0%} of the pool); release leases first"
+                f"session {session.id} already pins its quota of "
+                f"{self.config.session_leased_fraction:.0%} of the pool under leases; release leases first"
             )
-        return entries[:fits]
+        return entries[:fits], granted is not None
 
     def _part_of_session(self, session: Session) -> RegionPart:
         """The memory a session's client maps: its tenant's own region, else the shared pool. The
@@ -1099,19 +1228,21 @@ class KVEngine:
         entries: list[BlockEntry],
         ttl_s: float,
         ident: str = "",
+        charged: bool = False,
     ) -> str:
         held = Lease(session.id, instance_id, ns_index, list(entries), time.monotonic(), ttl_s, ident)
+        held.charged = charged
         self._store.pin(held.entries)
         self._registry.add_lease(session, held)
         return held.id
 
-    def _check_reported_corrupt(self, held: Lease, hashes: Sequence[bytes]) -> None:
+    def _check_reported_corrupt(self, leased: Sequence[BlockEntry], hashes: Sequence[bytes]) -> None:
         """Under the lock: hashing a block is CPU only (XXH3 at ~18 GB/s, ~60 us per MiB), and only
         blocks of this lease, each once, at most MAX_CORRUPT_CHECKS of them (a reader stops at the
         first mismatch: more reports are not needed, and a flood of them must not hold the lock)."""
         reported = set(list(dict.fromkeys(hashes))[:MAX_CORRUPT_CHECKS])
         view = self.dram.pool_view()
-        for entry in held.entries:
+        for entry in leased:
             if entry.key[1] not in reported or entry.checksum is None or not entry.dram_ready:
                 continue
             reported.discard(entry.key[1])
@@ -1127,6 +1258,8 @@ class KVEngine:
     def _drop_lease(self, held: Lease) -> None:
         self._registry.remove_lease(held)
         self._store.unpin(held.entries)
+        if held.charged:
+            self.lane.uncharge(held.session_id, held.nbytes)
 
     def _abort_save(self, save: Save) -> int:
         granted = sum(e.length for e in save.pending.values() if e is not None)
@@ -1139,6 +1272,8 @@ class KVEngine:
 
     def _end_session(self, session: Session, reason: str) -> None:
         leases, saves, instances = self._registry.end_session(session)
+        if self.lane is not None:
+            self.lane.remove_session(session.id)  # its lane leases end; its quota goes with it
         if self._session_listeners:
             self._ended_sessions.append(session.id)
         for held in leases:
@@ -1305,6 +1440,69 @@ class KVEngine:
             except Exception:
                 log.exception("free-slot reserve failed; allocations evict for themselves")
 
+    def _lane_loop(self) -> None:
+        """Applies what the read lane's served calls leave for the engine (server/read_lane/lane.py,
+        "signals"): woken by the lane's first call after a pass, it waits LANE_BATCH_S so that one
+        pass carries many calls."""
+        fd = self.lane.signal_fd
+        while not self._stop.is_set():
+            select.select([fd], [], [], LANE_TICK_S)  # the interpreter lock is free while it waits
+            if self._stop.is_set():
+                return
+            time.sleep(LANE_BATCH_S)
+            try:
+                self._apply_lane_signals(self.lane.drain())
+            except Closed:
+                return
+            except Exception:
+                log.exception("applying the read lane's signals failed; continuing")
+
+    def _apply_lane_signals(self, signals: LaneSignals) -> None:
+        """What a query or release served by the engine does besides answering, for the calls the
+        lane served: counts, the SSD placement's second sightings, recency and lookup sketches, load
+        and RPC metrics; and the corrupt blocks whose last lane reader let go are dropped."""
+        if not signals:
+            return
+        counts = signals.counts
+        planned: list[IoBatch | None] = []
+        applied = []
+        with self._locked(None):
+            c = self.counters
+            c.lookup_queries += counts["lookup_queries"]
+            c.dram_hits += counts["dram_hits"]
+            c.misses += counts["misses"]
+            c.load_queries += counts["load_queries"]
+            c.load_missed_blocks += counts["load_missed_blocks"]
+            c.load_bytes += counts["loaded_bytes"]
+            c.quota_refusals += counts["quota_refusals"]
+            c.expired_leases += counts["expired_leases"]
+            c.read_lane_not_executed += counts["not_executed"]
+            c.read_lane_signals_dropped += counts["signals_dropped"]
+            get = self._store.index.get
+            for query in signals.queries:
+                ready = [
+                    e
+                    for e in (get((query.ns_index, h)) for h in query.hashes[: query.served])
+                    if e is not None and e.dram_ready
+                ]
+                if not query.load:
+                    planned.append(self._store.reused(ready))
+                applied.append((query, ready))
+            for ns_index, key in signals.dead_released:
+                entry = get((ns_index, key))
+                if entry is not None:
+                    self._store.lane_let_go(entry)
+        self._mover.submit(planned)
+        for query, ready in applied:
+            purpose = QueryPurpose.LOAD if query.load else QueryPurpose.LOOKUP
+            self._after_query(purpose, query.ns_index, query.hashes, ready, query.found)
+            if self._foreground is not None and query.found and not query.load:
+                self._foreground.ready_hit()
+        for _, loaded, age in signals.loads:
+            self.observer.on_load(loaded, age)
+        for method, code, seconds in signals.calls:
+            self.observer.on_rpc(method, wire_status.from_number(code).name, seconds)
+
     def _reap_loop(self) -> None:
         while not self._stop.wait(self.config.reaper_interval_s):
             try:
@@ -1326,6 +1524,8 @@ class KVEngine:
                 if self._registry.leases.get(held.id) is held:
                     self._drop_lease(held)
                     self.counters.expired_leases += 1
+            if self.lane is not None:
+                self.lane.expire()  # counted by the lane (expired_leases, applied by _lane_loop)
             for save in saves:
                 if self._registry.saves.get(save.id) is not save:
                     continue

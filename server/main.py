@@ -105,6 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
         "their per-key Python stays off the request path's GIL) or the server's metrics thread",
     )
     p.add_argument(
+        "--read-lane",
+        choices=("on", "off"),
+        default="on",
+        help="answer prefix queries and lease releases of DRAM blocks from native code, out of the "
+        "server's interpreter (server/read_lane/; default on: built with the system's C compiler on "
+        "first use, proven in a child process, off with a warning if that fails); its socket is next "
+        "to the fd socket (.read before the extension)",
+    )
+    p.add_argument(
         "--fd-socket-path",
         default=None,
         help="Unix socket on which local clients receive the pool's fd "
@@ -388,6 +397,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         enable_lfu_admission=args.enable_lfu_admission,
         hll_windows=args.metric_hll_windows,
         lookup_sketches=args.lookup_sketches,
+        read_lane=args.read_lane == "on",
         fd_socket_path=args.fd_socket_path,
         session_ttl_s=args.session_ttl,
         write_timeout_s=args.write_timeout,
@@ -457,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
                 "http_addr": server.http_address,
                 "fd_socket_path": server.fd_socket_path,
                 "local_rpc_socket_path": server.local_rpc_socket_path,
+                "read_lane_socket_path": server.read_lane_socket_path,
                 "epoch": server.epoch,
                 "pool_size_bytes": server.engine.region.size_bytes,
                 "prefault_s": round(server.engine.region.prefault_s, 3),

@@ -68,6 +68,7 @@ class RunningServer:
         self.http_address: str | None = None
         self.fd_socket_path = ""
         self.local_rpc_socket_path = ""
+        self.read_lane_socket_path = ""  # "" when the read lane is off or its socket could not be bound
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
 
@@ -92,6 +93,8 @@ class RunningServer:
                 self.grpc_server.stop(grace_s).wait(grace_s + 1)
             if self.local_rpc is not None:
                 self.local_rpc.stop(grace_s)
+            if self.read_lane_socket_path and self.engine is not None and self.engine.lane is not None:
+                self.engine.lane.stop()
             if self.doorbell is not None:
                 self.doorbell.stop(grace_s)
             if self.http is not None:
@@ -141,6 +144,22 @@ def _start_local_rpc(server: RunningServer, servicer: EngineServicer) -> None:
     server.local_rpc = local
     local.start()
     server.local_rpc_socket_path = servicer.local_rpc_socket_path = path
+
+
+def _start_read_lane(server: RunningServer, servicer: EngineServicer) -> None:
+    """The read lane's socket (server/read_lane/), next to the others; without it (the lane is off,
+    unavailable here, or its socket cannot be bound) every query goes to the engine."""
+    lane = server.engine.lane
+    if lane is None:
+        return
+    base, ext = os.path.splitext(server.fd_socket_path)
+    path = f"{base}.read{ext or '.sock'}"
+    try:
+        lane.serve(path, server.engine.epoch)
+    except OSError as exc:
+        log.warning("read lane socket %s unavailable (%s); queries go to the engine", path, exc)
+        return
+    server.read_lane_socket_path = servicer.read_lane_socket_path = path
 
 
 def _start_doorbell(server: RunningServer) -> None:
@@ -267,6 +286,7 @@ def start_server(config: ServerConfig) -> RunningServer:
             engine, server.fd_socket_path, server.metrics, gpu=server.gpu, tenants=access.tenants
         )
         _start_local_rpc(server, servicer)  # before gRPC serves OpenSession, whose answer names it
+        _start_read_lane(server, servicer)  # likewise
         _start_doorbell(server)  # before gRPC serves RegisterDeviceMemory, whose answer names it
         add_engine_servicer(servicer, server.grpc_server)
         server.health = health.HealthServicer()
@@ -300,12 +320,14 @@ def start_server(config: ServerConfig) -> RunningServer:
         server.stop(grace_s=0)
         raise
     log.info(
-        "pegaflow-server ready: grpc %s (%s), metrics %s, pool fd socket %s, local rpc socket %s, epoch %s",
+        "pegaflow-server ready: grpc %s (%s), metrics %s, pool fd socket %s, local rpc socket %s, "
+        "read lane %s, epoch %s",
         server.address,
         access.describe(),
         server.http_address or "off",
         server.fd_socket_path,
         server.local_rpc_socket_path or "off",
+        server.read_lane_socket_path or "off",
         engine.epoch,
     )
     return server

@@ -99,7 +99,8 @@ def test_one_client_many_threads(inproc_server):
 
 
 def test_calls_end_at_their_deadline_when_the_server_is_stuck(inproc_server):
-    with PegaClient(inproc_server.address, timeout_s=5.0) as c:
+    # Queries to the engine (the read lane answers them without the engine: server/read_lane/tests).
+    with PegaClient(inproc_server.address, timeout_s=5.0, read_lane=False) as c:
         inst = c.register_instance(LAYOUT)
         engine = inproc_server.engine
         with engine._lock:  # the server cannot serve anything that needs the engine
@@ -238,7 +239,8 @@ def test_backoff_grows_jittered_and_caps():
 
 def test_async_calls_end_at_their_deadline_and_leak_nothing(inproc_server):
     async def scenario():
-        async with AsyncPegaClient(inproc_server.address, timeout_s=5.0) as c:
+        # Queries to the engine (the read lane answers them without the engine: server/read_lane/tests).
+        async with AsyncPegaClient(inproc_server.address, timeout_s=5.0, read_lane=False) as c:
             inst = await c.register_instance(LAYOUT)
             lock = inproc_server.engine._lock
             lock.acquire()  # the server cannot serve anything that needs the engine

@@ -23,6 +23,7 @@ class Lease:
         "nbytes",
         "created_at",
         "expires_at",
+        "charged",
     )
 
     def __init__(
@@ -43,3 +44,5 @@ class Lease:
         self.nbytes = sum(e.length for e in entries)
         self.created_at = now
         self.expires_at = now + ttl_s
+        # Its bytes count against the session's quota kept by the read lane (engine._within_lease_quota).
+        self.charged = False

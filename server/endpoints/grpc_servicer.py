@@ -172,6 +172,7 @@ class EngineServicer(pb_grpc.EngineServicer):
         self._metrics = metrics
         # Named in OpenSessionResponse once the runtime's local RPC socket listens; "" = none.
         self.local_rpc_socket_path = ""
+        self.read_lane_socket_path = ""
 
     @staticmethod
     def _caller_gone(context: grpc.ServicerContext, deadline: float) -> bool:
@@ -218,6 +219,7 @@ class EngineServicer(pb_grpc.EngineServicer):
                 write_timeout_ms=int(cfg.write_timeout_s * 1000),
             ),
             local_rpc_socket_path=self.local_rpc_socket_path,
+            read_lane_socket_path=self.read_lane_socket_path,
         )
 
     @_handler

@@ -169,6 +169,9 @@ class ServerMetrics(EngineObserver):
     def on_transfer(self, kind: str, nbytes: int, seconds: float, ok: int, failed: int) -> None:
         (self.transfer_duration if kind == "promote" else self.demotion_duration).observe(seconds)
 
+    def on_rpc(self, method: str, code: str, seconds: float) -> None:
+        self.observe_rpc(method, code, seconds)
+
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
         # The labelled children are looked up once per (method, code): labels() takes the family's
         # lock and builds a key on every call, a few us of every RPC.

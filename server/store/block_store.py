@@ -107,6 +107,7 @@ class BlockStore:
         hasher=None,
         journal=None,
         free_reserve: FreeSlotReserve | None = None,
+        lane=None,
     ):
         self.dram = dram
         self.allocator = dram.allocator
@@ -151,6 +152,11 @@ class BlockStore:
         self.tenant_parts: dict[str, int] = {p.name: i for i, p in enumerate(dram.region.parts) if i}
         # Free slots kept ahead of the saves (store/free_reserve.py); 0 bytes: evict on allocation only.
         self.free_reserve = free_reserve or FreeSlotReserve(0)
+        # The read lane (server/read_lane/lane.py): its directory is kept equal to the blocks sealed,
+        # ready in DRAM and not corrupt, and a block its leases read is never evicted (None: no lane).
+        self.lane = lane
+        # Corrupt blocks the lane's leases still read (retired there): freed once the last lets go.
+        self._lane_dead: set[BlockKey] = set()
 
     # ============================================================== save path
 
@@ -251,6 +257,8 @@ class BlockStore:
                 if entry is not None and entry.state == SEALED and entry.dram_ready:
                     policy.on_refresh(entry.key)
         sealed.reverse()
+        if self.lane is not None:
+            self.lane.publish(sealed)
         self.counters.sealed_blocks += len(sealed)
         nbytes = sum(e.length for e in sealed)
         self.counters.save_bytes += nbytes
@@ -393,6 +401,8 @@ class BlockStore:
         live = self.index.get(entry.key) is entry
         if status == IoStatus.OK and live:
             self.index.slot_filled(entry)
+            if self.lane is not None:
+                self.lane.publish_one(entry)
             self.policy.on_insert(entry.key, entry.length)
             self.counters.promoted_blocks += 1
             self.counters.promoted_bytes += entry.length
@@ -420,6 +430,8 @@ class BlockStore:
                 self.drop_corrupt(entry)
                 return
             entry.checksum = digest
+            if self.lane is not None:
+                self.lane.set_checksum(entry)
             if self.journal is not None:
                 ns = self.namespaces.at(entry.key[0])
                 self.journal.sealed(
@@ -435,12 +447,19 @@ class BlockStore:
         if not entry.corrupt:
             entry.corrupt = True
             self.counters.corrupt_blocks += 1
+            if self.lane is not None and entry.dram_ready and self.lane.retire(entry):
+                self._lane_dead.add(entry.key)  # hidden from lane queries; its lane readers finish
         return self._drop_if_free(entry)
 
+    def lane_let_go(self, entry: BlockEntry) -> None:
+        """The last lane lease reading a retired (corrupt) block ended: it may be dropped now."""
+        self._lane_dead.discard(entry.key)
+        if entry.corrupt:
+            self._drop_if_free(entry)
+
     def _drop_if_free(self, entry: BlockEntry) -> bool:
-        if not self._evictable(entry):
+        if not self._evictable(entry) or not self._evict_dram(entry):
             return False
-        self._evict_dram(entry)
         if entry.ssd is not None and entry.io == 0:
             self._drop_ssd_copy(entry)
             self._forget_if_gone(entry)
@@ -523,11 +542,25 @@ class BlockStore:
             and entry.dram_ready
             and entry.pins == 0
             and entry.io == 0
+            and (not self._lane_dead or entry.key not in self._lane_dead)
         )
 
-    def _evict_dram(self, entry: BlockEntry, tell_policy: bool = True) -> None:
+    def _lane_pinned(self, key: BlockKey) -> bool:
+        """A lease of the read lane reads it (the policy skips it as it skips the engine's pinned ones)."""
+        return self.lane is not None and self.lane.pinned(key)
+
+    def _evict_dram(self, entry: BlockEntry, tell_policy: bool = True, unpublished: bool = False) -> bool:
         """Drops the entry's DRAM copy; the block stays (from SSD) if its SSD copy is ready.
-        ``tell_policy=False``: the caller tells the policy itself, for a batch (on_remove_many)."""
+        ``tell_policy=False``: the caller tells the policy itself, for a batch (on_remove_many).
+        False, and nothing done, when a lease of the read lane reads the block: the lane's unpublish
+        is the one atomic check against its leases, which pin without the engine lock (``unpublished``:
+        the caller made it already, for a batch)."""
+        lane = self.lane
+        if lane is not None and (
+            entry.key in self._lane_dead
+            or (not unpublished and entry.dram_ready and not entry.corrupt and not lane.unpublish(entry))
+        ):
+            return False
         slot = self.index.detach_slot(entry)
         self._release_slot(entry, slot)
         if tell_policy:
@@ -539,6 +572,7 @@ class BlockStore:
         else:
             self.counters.evictions += 1
         self._forget_if_gone(entry)
+        return True
 
     def _forget_if_gone(self, entry: BlockEntry) -> None:
         if (
@@ -602,9 +636,13 @@ class BlockStore:
         allocator = self.allocator
         get = self.index.get
         kept = {entry.key for entry in keep}
+        refused: set[BlockKey] = set()  # victims a read lane lease reads: kept, and not offered again
 
         def skip(key: BlockKey) -> bool:
-            return key in kept or not self._evictable(get(key))
+            return key in kept or key in refused or not self._evictable(get(key))
+
+        def skip_lane_pinned(key: BlockKey) -> bool:  # victims asked one by one: the lane asked per key
+            return skip(key) or self._lane_pinned(key)
 
         # The shared pool's victims come from the policy's one order; a tenant region's from the
         # tenant's own recency (policy/tenant_caps.py), the only blocks whose eviction frees room there.
@@ -629,29 +667,48 @@ class BlockStore:
             if next_victim_of is None:
                 batch = policy.next_victims(want, skip)
             else:
-                victim = next_victim_of(skip)
+                victim = next_victim_of(skip_lane_pinned)
                 batch = [] if victim is None else [victim]
             if not batch:
                 if not self._move_slab(block_bytes, part):
                     return False  # nothing evictable is left
                 continue
+            # The read lane's leases pin without the engine lock: one atomic call takes the batch out of
+            # its directory, all but what a lane lease reads now (that one stays: it is in use).
+            taken = self.lane.unpublish_many(batch) if self.lane is not None else None
             evicted = []
-            for victim in batch:
+            for i, victim in enumerate(batch):
                 entry = get(victim)
+                if taken is not None and not taken[i]:
+                    refused.add(victim)
+                    policy.on_refresh(victim)  # being read: recently used, and out of the victims' way
+                    continue
                 if not self._evictable(entry):
                     # The policy tracks a key the store no longer holds in DRAM: resync and go on.
                     log.warning("policy offered a non-evictable key %r; dropping it from the policy", victim)
                     policy.on_remove(victim)
+                    if taken is not None:
+                        self._republish([entry])
                     continue
-                self._evict_dram(entry, tell_policy=False)
+                if not self._evict_dram(entry, tell_policy=False, unpublished=taken is not None):
+                    continue
                 evicted.append(victim)
                 victims += 1
                 if entry.length != block_bytes:
                     freed_elsewhere += entry.length
                 if allocator.available(block_bytes, part) >= need:
-                    break  # enough (a slab that emptied may free more than one slot): keep the rest
+                    # Enough (a slab that emptied may free more than one slot): keep the rest.
+                    if taken is not None:
+                        self._republish([get(v) for j, v in enumerate(batch) if j > i and taken[j]])
+                    break
             policy.on_remove_many(evicted)
         return True
+
+    def _republish(self, entries) -> None:
+        """Entries the lane's unpublish_many took out that stay readable after all: published again."""
+        for entry in entries:
+            if entry is not None and entry.state == SEALED and entry.dram_ready and not entry.corrupt:
+                self.lane.publish_one(entry)
 
     def refill_reserve(self, max_victims: int) -> bool:
         """Evicts ahead, at most ``max_victims`` blocks, so that every block size saved lately has its
@@ -764,13 +821,14 @@ class BlockStore:
         kept = {entry.key for entry in keep}
 
         def skip(key: BlockKey) -> bool:
-            return key in kept or not self._evictable(get(key))
+            return key in kept or not self._evictable(get(key)) or self._lane_pinned(key)
 
         while caps.resident_bytes_of(tenant) + want > cap:
             victim = caps.next_victim_of(tenant, skip)
             if victim is None:
                 break  # the rest of its share is pinned or kept: what does not fit is refused
-            self._evict_dram(get(victim))
+            if not self._evict_dram(get(victim)):
+                continue  # a read lane lease took it since skip() looked: skipped from now on
             counts = self.cap_counts.setdefault(tenant, [0, 0])
             counts[0] += 1
         room = cap - pending_bytes - caps.resident_bytes_of(tenant)
@@ -783,13 +841,36 @@ class BlockStore:
     def _move_slab(self, block_bytes: int, part: int = 0) -> bool:
         """Evicts every block of the emptiest movable slab of another size (in ``part``); False if there
         is none."""
-        slab = self.allocator.reclaimable_slab(block_bytes, part)
-        if slab is None:
-            return False
-        for slot in self.allocator.used_offsets(slab):
-            self._evict_dram(self.index.at_slot(slot))
+        refused: set[int] = set()  # slabs a read lane lease reads a block of: they stay this time
+        while True:
+            slab = self.allocator.reclaimable_slab(block_bytes, part, refused)
+            if slab is None:
+                return False
+            entries = [self.index.at_slot(slot) for slot in self.allocator.used_offsets(slab)]
+            if self.lane is None or self._unpublish_all(entries):
+                break
+            refused.add(slab)
+        for entry in entries:
+            self._evict_dram(entry)
         self.allocator.note_slab_move()
         return True
+
+    def _unpublish_all(self, entries: Sequence[BlockEntry]) -> bool:
+        """Takes every one of ``entries`` out of the read lane, or none of them (False: a lane lease
+        reads one; the ones taken out are published again)."""
+        done = []
+        for entry in entries:
+            if entry.key in self._lane_dead:
+                break
+            if entry.dram_ready and not entry.corrupt:
+                if not self.lane.unpublish(entry):
+                    break
+                done.append(entry)
+        else:
+            return True
+        for entry in done:
+            self.lane.publish_one(entry)
+        return False
 
     # ---------------------------------------------------------- checksums
 
@@ -810,7 +891,9 @@ class BlockStore:
         key: BlockKey = (ns_index, block_hash)
         if key in self.index:
             return False
-        self.index.add_recovered_slot(key, length, slot, digest)
+        entry = self.index.add_recovered_slot(key, length, slot, digest)
+        if self.lane is not None:
+            self.lane.publish_one(entry)
         self.policy.on_insert(key, length)
         self.counters.recovered_dram_blocks += 1
         return True
@@ -947,6 +1030,8 @@ class BlockStore:
             if good:
                 self.index.slot_filled(entry)
                 entry.checksum = digest
+                if self.lane is not None:
+                    self.lane.publish_one(entry)
                 self.policy.on_insert(entry.key, entry.length)
                 self.counters.fetched_blocks += 1
                 self.counters.fetched_bytes += entry.length

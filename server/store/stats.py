@@ -97,6 +97,8 @@ class ClientCounters:
         "sessions_disconnected",
         "sessions_expired",
         "quota_refusals",
+        "read_lane_not_executed",
+        "read_lane_signals_dropped",
     )
 
     def __init__(self) -> None:
@@ -260,6 +262,17 @@ class EngineStats:
     sessions_expired: int = counter(
         "pegaflow_sessions_ended", "Sessions ended, by cause", cause="heartbeat_timeout"
     )
+    # The read lane (server/read_lane/): queries and releases answered natively.
+    read_lane_leases: int = gauge("pegaflow_read_lane_leases", "Live leases taken through the read lane")
+    read_lane_not_executed: int = counter(
+        "pegaflow_read_lane_not_executed",
+        "Calls the read lane handed back to the engine (unknown session, a chain beyond DRAM, ...)",
+    )
+    read_lane_signals_dropped: int = counter(
+        "pegaflow_read_lane_signals_dropped",
+        "Records of served read lane calls dropped because the engine fell behind (recency, sketches)",
+    )
+    read_lane_connections: int = gauge("pegaflow_read_lane_connections", "Open read lane connections")
     # ------------------------------------------------------------------- lists
     namespaces: list[NamespaceStats] = dataclasses.field(default_factory=list)
     tiers: list[TierStats] = dataclasses.field(default_factory=list)

@@ -2,7 +2,7 @@
 when modules are added."""
 
 # Non-Python files a part may read at run time (next to its modules).
-DATA_PATTERNS = ["**/*.json", "**/*.jinja", "**/*.proto", "**/*.sh", "**/*.toml", "**/*.txt", "**/*.yaml"]
+DATA_PATTERNS = ["**/*.c", "**/*.json", "**/*.jinja", "**/*.proto", "**/*.sh", "**/*.toml", "**/*.txt", "**/*.yaml"]
 
 # Tests and what only they use live under tests/ folders (see //tools:pytest.bzl).
 _NOT_LIBRARY = ["**/tests/**", "**/__pycache__/**"]

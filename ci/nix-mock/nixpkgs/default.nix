@@ -9,7 +9,7 @@ let
     builder = "/bin/bash";
     args = [ "-c" "echo ${name} > $out" ];
   };
-  names = [ "python311" "bazel_4" "liburing" "rdma-core" "fio" "iperf3" "iproute2" "prometheus" "etcd" "gnumake" "git" "zlib" "nixpkgs-fmt" ];
+  names = [ "python311" "bazel_4" "liburing" "rdma-core" "fio" "iperf3" "iproute2" "prometheus" "etcd" "gcc" "gnumake" "git" "zlib" "nixpkgs-fmt" ];
 in
 builtins.listToAttrs (map (name: { inherit name; value = stub name; }) names) // {
   stdenv.cc.cc.lib = stub "libstdcxx";

@@ -39,7 +39,8 @@ def server(server_process) -> ServerProcess:
 
 @pytest.fixture
 def client(server):
-    c = PegaClient(server.addr, timeout_s=10.0, name="endpoint-test")
+    # Queries over the local RPC socket (the read lane has its own tests: server/read_lane/tests).
+    c = PegaClient(server.addr, timeout_s=10.0, name="endpoint-test", read_lane=False)
     c.connect()
     yield c
     c.close()

@@ -22,10 +22,10 @@ LAYOUT = KvLayout(model_id="m", block_bytes=BLOCK, dtype="bfloat16", block_token
 
 
 def socket_paths(srv: ServerProcess) -> list[str]:
-    """The server's Unix sockets: fd broker, local RPC, doorbell (when it has a GPU)."""
+    """The server's Unix sockets: fd broker, local RPC, read lane, doorbell (when it has a GPU)."""
     fd_path = srv.fd_socket_path
     base = os.path.splitext(fd_path)[0]
-    return [fd_path, base + ".rpc.sock", base + ".doorbell.sock"]
+    return [fd_path, base + ".rpc.sock", base + ".read.sock", base + ".doorbell.sock"]
 
 
 def remove_stale_sockets(srv: ServerProcess) -> None:

@@ -1,5 +1,6 @@
 """The local RPC socket against a real server process: the same answers as gRPC, deadlines, bad frames,
-restarts and the fallback to gRPC."""
+restarts and the fallback to gRPC. Queries go to the engine here (read_lane=False): the read lane,
+which answers them first by default, has its own tests (server/read_lane/tests)."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def test_calls_travel_over_the_local_socket_and_bytes_round_trip(server, client)
 
 
 def test_errors_arrive_as_the_exceptions_grpc_gives(server, client):
-    grpc_client = PegaClient(server.addr, timeout_s=10.0, local_rpc=False)
+    grpc_client = PegaClient(server.addr, timeout_s=10.0, local_rpc=False, read_lane=False)
     grpc_client.connect()
     try:
         assert grpc_client.local_rpc_socket == ""
@@ -116,7 +117,7 @@ def test_an_unknown_session_is_session_lost_and_the_client_reconnects(server, cl
 def test_a_stopped_server_costs_a_call_no_more_than_its_deadline(tmp_path):
     # A session TTL far beyond the stop: the late lease can only be released by the undo under test.
     srv = ServerProcess(tmp_path, pool_size="64mb", extra_args=["--session-ttl", "300"]).start()
-    client = PegaClient(srv.addr, timeout_s=10.0)
+    client = PegaClient(srv.addr, timeout_s=10.0, read_lane=False)
     try:
         client.connect()
         session = client.session_id
@@ -161,7 +162,7 @@ def test_a_stopped_server_costs_a_call_no_more_than_its_deadline(tmp_path):
 def test_a_call_whose_caller_hung_up_is_undone(tmp_path):
     """As over gRPC (a cancelled call): a lease granted to a caller that is gone is released at once."""
     srv = ServerProcess(tmp_path, pool_size="64mb", extra_args=["--session-ttl", "300"]).start()
-    client = PegaClient(srv.addr, timeout_s=10.0)
+    client = PegaClient(srv.addr, timeout_s=10.0, read_lane=False)
     try:
         client.connect()
         inst = client.register_instance(LAYOUT)
@@ -267,7 +268,7 @@ def test_garbage_and_oversized_frames_leave_the_server_serving(server, client):
 def test_after_a_restart_the_client_uses_the_new_servers_socket(tmp_path):
     addr = f"127.0.0.1:{free_port()}"
     srv = ServerProcess(tmp_path, pool_size="64mb", addr=addr).start()
-    c = PegaClient(addr, timeout_s=5.0, name="restart")
+    c = PegaClient(addr, timeout_s=5.0, name="restart", read_lane=False)  # queries over the local socket
     try:
         c.connect()
         inst = c.register_instance(LAYOUT)
@@ -291,7 +292,7 @@ def test_after_a_restart_the_client_uses_the_new_servers_socket(tmp_path):
 
 
 def test_calls_fall_back_to_grpc_when_the_socket_is_unusable(server):
-    c = PegaClient(server.addr, timeout_s=10.0)
+    c = PegaClient(server.addr, timeout_s=10.0, read_lane=False)
     c.connect()
     try:
         path = c.local_rpc_socket
@@ -342,11 +343,11 @@ def test_a_socket_of_another_server_is_never_used(tmp_path, server):
     """The greeting names the server's pool epoch: a namesake socket (another server) is refused."""
     other = ServerProcess(tmp_path / "other", pool_size="32mb").start()
     try:
-        probe = PegaClient(other.addr, timeout_s=10.0)
+        probe = PegaClient(other.addr, timeout_s=10.0, read_lane=False)
         probe.connect()
         other_socket = probe.local_rpc_socket
         probe.close()
-        c = PegaClient(server.addr, timeout_s=10.0)
+        c = PegaClient(server.addr, timeout_s=10.0, read_lane=False)
         c.connect()
         try:
             c._conn.local.path = other_socket  # as if the advertised path led to the other server
@@ -425,7 +426,7 @@ def test_a_call_that_reached_the_server_is_never_run_again_over_grpc(sock_dir):
             session_ttl_s=30.0,
         )
     )
-    c = PegaClient(srv.address, timeout_s=20.0)
+    c = PegaClient(srv.address, timeout_s=20.0, read_lane=False)
     try:
         c.connect()
         inst = c.register_instance(LAYOUT)

@@ -62,6 +62,7 @@ def _drain_s(metrics, within_s: float = 10.0) -> float:
 
 
 def _lookups(client, inst, tag: bytes, n: int) -> None:
+    # Through the engine (read_lane=False clients): the feeder yields to calls in the handler frame.
     for i in range(n):
         client.query_prefix(inst, [tag + b"%03d-%03d" % (i, j) for j in range(256)])
 
@@ -69,7 +70,7 @@ def _lookups(client, inst, tag: bytes, n: int) -> None:
 def test_the_feeder_waits_while_a_call_is_in_flight_then_feeds(server):
     metrics = server.metrics
     metrics.max_feed_defer_s = 30.0  # no forced feeding within this test
-    with PegaClient(server.address, name="feeder-test") as client:
+    with PegaClient(server.address, name="feeder-test", read_lane=False) as client:
         inst = client.register_instance(KvLayout(model_id="m", block_bytes=4096))
         _lookups(client, inst, b"idle", 1)
         assert _drain_s(metrics) < 5.0  # nothing in flight: fed within a feed interval or so
@@ -84,7 +85,7 @@ def test_under_calls_without_a_pause_the_feeder_still_feeds_in_paced_slices(serv
     metrics = server.metrics
     metrics.max_feed_defer_s = 0.05
     monkeypatch.setattr(registry, "BUSY_PAUSE_S", 0.005)  # pauses that dominate the feeding itself
-    with PegaClient(server.address, name="feeder-test") as client:
+    with PegaClient(server.address, name="feeder-test", read_lane=False) as client:
         inst = client.register_instance(KvLayout(model_id="m", block_bytes=4096))
         with metrics.foreground:
             _lookups(client, inst, b"busy", 8)  # 2048 keys
@@ -127,7 +128,7 @@ def test_every_engine_call_runs_inside_the_foreground_activity(server):
             return out
 
     server.metrics.foreground = Recording()
-    with PegaClient(server.address, name="feeder-test") as client:
+    with PegaClient(server.address, name="feeder-test", read_lane=False) as client:
         inst = client.register_instance(KvLayout(model_id="m", block_bytes=4096))
         client.query_prefix(inst, [b"e" * 32])
     assert len(seen) >= 3 and all(n >= 1 for n in seen)  # OpenSession, RegisterInstance, QueryPrefix

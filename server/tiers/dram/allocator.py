@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from pegaflow.server.config import MIB
 
@@ -325,9 +325,11 @@ class SlabAllocator:
         for offset in offsets:
             slabs[offset // size].holds -= 1
 
-    def reclaimable_slab(self, for_block_bytes: int, part: int = 0) -> int | None:
+    def reclaimable_slab(
+        self, for_block_bytes: int, part: int = 0, exclude: Collection[int] = ()
+    ) -> int | None:
         """A slab of ``part`` of another size whose blocks may all be evicted (no holds), the emptiest
-        first.
+        first; none of ``exclude`` (slab indices the caller found it cannot move after all).
 
         The engine evicts the blocks at ``used_offsets(slab)``; the last free()
         returns the slab to the free list and the next allocate() takes it.
@@ -335,6 +337,8 @@ class SlabAllocator:
         best: _Slab | None = None
         for slab in self._slabs:
             if slab is None or slab.holds or slab.block_bytes == for_block_bytes or slab.part != part:
+                continue
+            if exclude and slab.index in exclude:
                 continue
             if best is None or slab.used < best.used:
                 best = slab

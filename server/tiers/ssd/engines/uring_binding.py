@@ -34,6 +34,9 @@ import sys
 import sysconfig
 import tempfile
 import threading
+from functools import partial
+
+from pegaflow.server.native.cache import cached_build
 
 log = logging.getLogger(__name__)
 
@@ -156,18 +159,6 @@ class UringUnavailable(RuntimeError):
     """The binding could not be built or loaded (no compiler, no liburing headers, ...)."""
 
 
-def _cache_dirs() -> list[str]:
-    dirs = []
-    if os.environ.get("PEGAFLOW_CACHE_DIR"):
-        dirs.append(os.environ["PEGAFLOW_CACHE_DIR"])
-    if os.environ.get("XDG_CACHE_HOME"):
-        dirs.append(os.path.join(os.environ["XDG_CACHE_HOME"], "pegaflow"))
-    if os.environ.get("HOME"):
-        dirs.append(os.path.join(os.environ["HOME"], ".cache", "pegaflow"))
-    dirs.append(os.path.join(tempfile.gettempdir(), f"pegaflow-cache-{os.getuid()}"))
-    return dirs
-
-
 def _build_key() -> str:
     import cffi
 
@@ -191,37 +182,22 @@ def module_path() -> str:
         if key in _built:
             return _built[key]
         name = f"_pegaflow_uring_{key}"
-        suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-        errors = []
-        for cache in _cache_dirs():
-            target = os.path.join(cache, name + suffix)
-            if os.path.exists(target):
-                _built[key] = target
-                return target
-            try:
-                os.makedirs(cache, exist_ok=True)
-                _compile(name, cache, target)
-            except Exception as e:  # unwritable folder, no compiler, ...: try the next folder
-                errors.append(f"{cache}: {e}")
-                continue
-            _built[key] = target
-            return target
-        raise UringUnavailable("could not build the io_uring binding: " + "; ".join(errors))
+        try:
+            target = cached_build(name + importlib.machinery.EXTENSION_SUFFIXES[0], partial(_compile, name))
+        except RuntimeError as e:
+            raise UringUnavailable(f"could not build the io_uring binding: {e}") from e
+        _built[key] = target
+        return target
 
 
-def _compile(name: str, cache: str, target: str) -> None:
+def _compile(name: str, work: str, target: str) -> None:
     import cffi
 
     ffi = cffi.FFI()
     ffi.cdef(CDEF)
     ffi.set_source(name, SOURCE, libraries=["uring"], extra_compile_args=["-O2"])
-    work = tempfile.mkdtemp(prefix=f".{name}-", dir=cache)
-    try:
-        # distutils/setuptools print the compiler lines on stdout: keep them out of the server's log.
-        built = ffi.compile(tmpdir=work, verbose=False)
-        os.replace(built, target)  # atomic: a concurrent builder's identical file may be replaced
-    finally:
-        subprocess.run(["rm", "-rf", work], check=False)
+    # distutils/setuptools print the compiler lines on stdout: keep them out of the server's log.
+    os.replace(ffi.compile(tmpdir=work, verbose=False), target)
 
 
 def load():

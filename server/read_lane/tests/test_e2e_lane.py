@@ -1,0 +1,151 @@
+"""The read lane through a real server process and the real client: queries go there first, the
+bytes round trip, what it leaves to the engine still works, and a stopped, restarted or
+socket-less server costs no call more than its deadline."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from pegaflow.client import KvLayout, PegaClient, errors, read_blocks, write_blocks
+from pegaflow.server.endpoints.tests.support import remove_stale_sockets, rpc_count, save_and_load
+from pegaflow.server.testing import ServerProcess, free_port, sigstop, wait_for
+
+BLOCK = 64 * 1024
+LAYOUT = KvLayout(model_id="m", block_bytes=BLOCK, dtype="bfloat16", block_tokens=16, num_layers=2)
+DEADLINE_MARGIN_S = 5.0
+
+
+def lane_served(c: PegaClient) -> int:
+    return c._conn.lane.served if c._conn is not None and c._conn.lane is not None else 0
+
+
+def test_queries_and_releases_go_through_the_lane_and_count_in_the_servers_metrics(tmp_path):
+    with ServerProcess(tmp_path, pool_size="64mb") as srv, PegaClient(srv.addr, timeout_s=10.0) as c:
+        inst = c.register_instance(LAYOUT)
+        rpc_before = rpc_count(srv, "QueryPrefix")
+        data, out, hits = save_and_load(c, inst, "lane")
+        assert hits == 8 and np.array_equal(out, data)
+        assert lane_served(c) == 2  # the query and its release
+        assert c.local_rpc_calls.get("QueryPrefix") is None
+        hit = c.query_prefix(inst, [f"lane-{i}".encode() for i in range(8)] + [b"absent"])
+        assert hit.num_hits == 8 and hit.lease_id == ""
+        stats = c.stats()
+        assert (stats.lookup_queries, stats.dram_hits, stats.misses) == (2, 16, 1)
+        assert stats.load_bytes == data.nbytes and stats.live_leases == 0
+        assert stats.read_lane_connections >= 1
+        wait_for(lambda: rpc_count(srv, "QueryPrefix") == rpc_before + 2)
+        assert rpc_count(srv, "ReleaseLease") >= 1
+
+
+def test_a_stopped_server_costs_a_lane_query_its_deadline_and_its_late_lease_is_undone(tmp_path):
+    srv = ServerProcess(tmp_path, pool_size="64mb", extra_args=["--session-ttl", "300"]).start()
+    client = PegaClient(srv.addr, timeout_s=10.0)
+    try:
+        client.connect()
+        inst = client.register_instance(LAYOUT)
+        save_and_load(client, inst, "held")
+        held = [f"held-{i}".encode() for i in range(8)]
+        sigstop(srv.proc.pid)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(errors.DeadlineExceeded):
+                client.query_prefix(inst, held, lease=True, lease_ttl_s=600, timeout_s=1.0)
+            assert time.monotonic() - t0 < 1.0 + DEADLINE_MARGIN_S
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        # The server read the query after it was continued, its caller gone: the lease it took is
+        # ended at once (the connection closed before its answer went out, and the client's release
+        # by the lease's id), not at its 600 s TTL.
+        wait_for(lambda: client.stats().live_leases == 0, timeout_s=30)
+        data, out, hits = save_and_load(client, inst, "after-stop")
+        assert hits == 8 and np.array_equal(out, data)
+    finally:
+        client.close()
+        srv.kill()
+        remove_stale_sockets(srv)
+
+
+def test_without_the_lane_socket_queries_go_to_the_engine(tmp_path):
+    with ServerProcess(tmp_path, pool_size="64mb") as srv:
+        c = PegaClient(srv.addr, timeout_s=10.0)
+        c.connect()
+        try:
+            os.unlink(c._conn.lane._link.path)  # before the first call: no connection can be made
+            inst = c.register_instance(LAYOUT)
+            data, out, hits = save_and_load(c, inst, "no-lane")
+            assert hits == 8 and np.array_equal(out, data)
+            assert lane_served(c) == 0 and c.local_rpc_calls.get("QueryPrefix") == 1
+        finally:
+            c.close()
+
+
+def test_a_server_with_the_lane_off_names_none_and_serves_every_query(tmp_path):
+    with ServerProcess(tmp_path, pool_size="64mb", extra_args=["--read-lane", "off"]) as srv:
+        with PegaClient(srv.addr, timeout_s=10.0) as c:
+            assert c._conn.lane is None
+            inst = c.register_instance(LAYOUT)
+            data, out, hits = save_and_load(c, inst, "off")
+            assert hits == 8 and np.array_equal(out, data)
+            assert c.local_rpc_calls.get("QueryPrefix") == 1
+
+
+def test_after_a_restart_the_client_uses_the_new_servers_lane(tmp_path):
+    addr = f"127.0.0.1:{free_port()}"
+    srv = ServerProcess(tmp_path, pool_size="64mb", addr=addr).start()
+    c = PegaClient(addr, timeout_s=5.0, name="restart")
+    try:
+        c.connect()
+        inst = c.register_instance(LAYOUT)
+        save_and_load(c, inst, "before")
+        old_epoch = c.epoch
+        srv.kill()
+        remove_stale_sockets(srv)
+        with pytest.raises(errors.ServerUnavailable):
+            c.query_prefix(inst, [b"x"])
+        srv.start()  # same address, new process: new epoch, new sockets
+        wait_for(lambda: c.connected and c.epoch == srv.epoch and inst.registered)
+        assert c.epoch != old_epoch
+        data, out, hits = save_and_load(c, inst, "after")
+        assert hits == 8 and np.array_equal(out, data)
+        assert lane_served(c) == 2
+    finally:
+        c.close()
+        srv.kill()
+        remove_stale_sockets(srv)
+
+
+def test_with_an_ssd_tier_a_chain_beyond_dram_is_promoted_by_the_engine(tmp_path):
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    args = ["--ssd-cache-path", str(ssd), "--ssd-cache-capacity", "256mb", "--ssd-write-policy", "on-seal"]
+    with ServerProcess(tmp_path, pool_size="32mb", extra_args=args) as srv:
+        with PegaClient(srv.addr, timeout_s=10.0) as c:
+            inst = c.register_instance(LAYOUT)
+            first = [f"first-{i}".encode() for i in range(64)]
+            data = np.random.default_rng(3).integers(0, 256, size=(64, BLOCK), dtype=np.uint8)
+            batch = c.allocate(inst, first)
+            write_blocks(c.pool_view(batch.epoch), batch.allocations, data)
+            c.seal(batch.save_id)
+            wait_for(lambda: c.stats().ssd_blocks == 64)
+            for r in range(24):  # 3x the pool: the first chain leaves DRAM, kept on SSD
+                hs = [f"churn-{r}-{i}".encode() for i in range(64)]
+                b = c.allocate(inst, hs)
+                write_blocks(c.pool_view(b.epoch), b.allocations, np.zeros((64, BLOCK), np.uint8))
+                c.seal(b.save_id)
+            served = lane_served(c)
+            hit = c.query_prefix(inst, first, lease=True)
+            assert lane_served(c) == served  # the lane left it to the engine, which promotes
+            assert hit.num_hits + hit.pending == 64
+            locations = c.load_blocks(inst, hit.lease_id) if hit.pending else hit.locations
+            out = np.zeros_like(data)
+            read_blocks(c.pool_view(hit.epoch), locations, out)
+            assert np.array_equal(out[: len(locations)], data[: len(locations)]) and len(locations) == 64
+            c.release(hit.lease_id)
+            again = c.query_prefix(inst, first, lease=True)  # all in DRAM now: the lane answers
+            assert again.num_hits == 64 and again.lease_id.startswith("r-")
+            c.release(again.lease_id)
