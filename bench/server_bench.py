@@ -485,9 +485,18 @@ def main() -> int:
     )
     ap.add_argument(
         "--reserve-ab",
-        action="store_true",
+        action="store_const",
+        const="no_reserve",
+        dest="ab",
         help="throughput on two servers side by side: as shipped, and with --free-reserve 0 (saves evict "
         "for themselves), case by case in alternating order",
+    )
+    ap.add_argument(
+        "--lane-ab",
+        action="store_const",
+        const="no_lane",
+        dest="ab",
+        help="the same A/B with --read-lane off (queries and releases served by the engine)",
     )
     ap.add_argument("--role", help=argparse.SUPPRESS)
     ap.add_argument("role_args", nargs="*", help=argparse.SUPPRESS)
@@ -514,7 +523,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = pathlib.Path(tmpdir)
         if args.part in ("all", "throughput"):
-            results["throughput"] = run_throughput(tmp, rounds, "memfd", args.reserve_ab)
+            results["throughput"] = run_throughput(tmp, rounds, "memfd", args.ab)
             if args.huge_tmpfs:
                 if not huge_tmpfs_available():
                     raise SystemExit("--huge-tmpfs needs root and unshare(1)")
@@ -535,8 +544,9 @@ def main() -> int:
 
             part = results["throughput"]
             panels = [("rows", "save / load vs same-run memcpy (pegaflow-server as shipped)")]
-            if "rows_no_reserve" in part:
-                panels.append(("rows_no_reserve", "the same, --free-reserve 0 (saves evict for themselves)"))
+            for arm, what in ARM_TITLES.items():
+                if f"rows_{arm}" in part:
+                    panels.append((f"rows_{arm}", f"the same, {what}"))
             fig, axes = plt.subplots(len(panels), 1, figsize=(13, 4.5 * len(panels)), squeeze=False)
             for ax, (key, title) in zip(axes[:, 0], panels, strict=True):
                 _throughput_panel(ax, part[key], title)
@@ -663,13 +673,13 @@ def wait_quiet(max_wait_s: float, threshold: float = 2.0, quiet_for_s: float = 6
         time.sleep(5)
 
 
-def run_throughput(tmp: pathlib.Path, rounds: int, backing: str, reserve_ab: bool = False) -> dict:
+def run_throughput(tmp: pathlib.Path, rounds: int, backing: str, ab: str | None = None) -> dict:
     if backing == "hugetlb":
-        with reserved_hugepages(parse_size(THROUGHPUT_POOL) * (2 if reserve_ab else 1)) as reservation:
-            out = _run_throughput(tmp, rounds, backing, reserve_ab)
+        with reserved_hugepages(parse_size(THROUGHPUT_POOL) * (2 if ab else 1)) as reservation:
+            out = _run_throughput(tmp, rounds, backing, ab)
         out["hugepages"] = reservation
         return out
-    return _run_throughput(tmp, rounds, backing, reserve_ab)
+    return _run_throughput(tmp, rounds, backing, ab)
 
 
 # (block bytes, blocks per batch, batches in flight, what filled the pool first); the 16 MiB rows
@@ -687,14 +697,20 @@ THROUGHPUT_CASES = [
     (256 * KIB, 64, 2, "other"),
 ]
 # Server arms. "default": pegaflow-server as shipped; with --reserve-ab also "no_reserve": the same
-# server with --free-reserve 0 (every save evicts for itself, as before store/free_reserve.py), run
-# case by case beside it, the arms' order alternating, each against its own same-round memcpy.
-ARMS = {"default": [], "no_reserve": ["--free-reserve", "0"]}
+# server with --free-reserve 0 (every save evicts for itself, as before store/free_reserve.py); with
+# --lane-ab "no_lane": --read-lane off (queries and releases in the engine, as before server/read_lane/).
+# The second arm runs case by case beside the first, the arms' order alternating, each against its own
+# same-round memcpy.
+ARMS = {"default": [], "no_reserve": ["--free-reserve", "0"], "no_lane": ["--read-lane", "off"]}
+ARM_TITLES = {
+    "no_reserve": "--free-reserve 0 (saves evict for themselves)",
+    "no_lane": "--read-lane off (queries and releases served by the engine)",
+}
 
 
-def _run_throughput(tmp: pathlib.Path, rounds: int, backing: str, reserve_ab: bool) -> dict:
+def _run_throughput(tmp: pathlib.Path, rounds: int, backing: str, ab: str | None) -> dict:
     print(f"throughput, pool backed by {BACKINGS[backing]} ...", flush=True)
-    arms = list(ARMS) if reserve_ab else ["default"]
+    arms = ["default", ab] if ab else ["default"]
     rows: dict[str, list[dict]] = {arm: [] for arm in arms}
     pool_bytes = parse_size(THROUGHPUT_POOL)
     with contextlib.ExitStack() as stack:
@@ -729,8 +745,8 @@ def _run_throughput(tmp: pathlib.Path, rounds: int, backing: str, reserve_ab: bo
                 rows[arm].append(row)
                 print(f"  [{arm}] {_row_line(row)}", flush=True)
     out = {"backing": BACKINGS[backing], "rows": rows["default"], "load_average": load.summary()}
-    if reserve_ab:
-        out["rows_no_reserve"] = rows["no_reserve"]
+    if ab:
+        out[f"rows_{ab}"] = rows[ab]
     return out
 
 

@@ -1,0 +1,2 @@
+"""The read lane: prefix queries and lease releases of DRAM blocks answered by native code, out of
+the interpreter (ARCHITECTURE.md, "The read lane")."""
