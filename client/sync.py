@@ -232,7 +232,10 @@ class PegaClient(ClientBase):
         req = pb.ReleaseLeaseRequest(
             lease_id=lease_id, loaded_bytes=loaded_bytes, corrupt_block_hashes=list(corrupt_hashes)
         )
-        if wait:
+        # A corrupt report is waited for: once it returns the server has dropped what failed, and a
+        # query that follows (on the read lane's socket, which does not queue behind this one) cannot
+        # be served those blocks again.
+        if wait or corrupt_hashes:
             self._call("ReleaseLease", req, timeout_s)
         else:
             self._send("ReleaseLease", req, timeout_s)

@@ -1474,7 +1474,6 @@ class KVEngine:
             c.load_queries += counts["load_queries"]
             c.load_missed_blocks += counts["load_missed_blocks"]
             c.load_bytes += counts["loaded_bytes"]
-            c.quota_refusals += counts["quota_refusals"]
             c.expired_leases += counts["expired_leases"]
             c.read_lane_not_executed += counts["not_executed"]
             c.read_lane_signals_dropped += counts["signals_dropped"]

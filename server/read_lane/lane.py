@@ -69,7 +69,6 @@ COUNT_NAMES = (
     "leases",
     "releases",
     "loaded_bytes",
-    "quota_refusals",
     "not_executed",
     "signals_dropped",
     "expired_leases",
@@ -89,7 +88,7 @@ class QuerySignal:
     ns_index: int
     hashes: list[bytes]  # as asked
     found: int  # leading hashes readable in DRAM
-    served: int  # of those, answered (a lease cut by the quota answers fewer)
+    served: int  # of those, answered (all of them: a lease that would not fit is the engine's)
 
 
 @dataclasses.dataclass

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import numpy as np
 import pytest
 
 from pegaflow.client import KvLayout, PegaClient, errors, read_blocks, write_blocks
+from pegaflow.server.config import MIB, ServerConfig
 from pegaflow.server.endpoints.tests.support import remove_stale_sockets, rpc_count, save_and_load
+from pegaflow.server.runtime import start_server
 from pegaflow.server.testing import ServerProcess, free_port, sigstop, wait_for
 
 BLOCK = 64 * 1024
@@ -149,3 +152,43 @@ def test_with_an_ssd_tier_a_chain_beyond_dram_is_promoted_by_the_engine(tmp_path
             again = c.query_prefix(inst, first, lease=True)  # all in DRAM now: the lane answers
             assert again.num_hits == 64 and again.lease_id.startswith("r-")
             c.release(again.lease_id)
+
+
+def test_a_lease_released_without_waiting_frees_the_quota_for_the_next_query(tmp_path):
+    """The release of an engine lease goes out on the local RPC socket without an answer; the next
+    query goes to the lane, on another socket, and may arrive first. At the quota the lane leaves
+    the query to the engine, which runs the client's calls in order: the release, then the query."""
+    srv = start_server(
+        ServerConfig(
+            pool_size_bytes=32 * MIB,
+            addr="127.0.0.1:0",
+            http_addr=None,
+            fd_socket_path=str(tmp_path / "pool.sock"),
+            session_ttl_s=30.0,
+        )
+    )
+    try:
+        with PegaClient(srv.address, timeout_s=10.0) as c:
+            inst = c.register_instance(LAYOUT)
+            quota = 16 * MIB // BLOCK  # half the pool
+            hashes = [b"held-%d" % i for i in range(quota)]
+            for lo in range(0, quota, 64):
+                c.seal(c.allocate(inst, hashes[lo : lo + 64]).save_id)
+            c.seal(c.allocate(inst, [b"short"]).save_id)
+            lane, c._conn.lane = c._conn.lane, None  # this one lease through the engine
+            held = c.query_prefix(inst, hashes, lease=True)  # the whole quota
+            c._conn.lane = lane
+            assert held.num_hits == quota and held.lease_id.startswith("l-")
+            with srv.engine._lock:  # the engine cannot run the release before the query reaches the lane
+                c.release(held.lease_id, wait=False)
+                result: list = []
+                t = threading.Thread(
+                    target=lambda: result.append(c.query_prefix(inst, [b"short"], lease=True))
+                )
+                t.start()
+                time.sleep(0.3)
+            t.join(10)
+            assert result and result[0].num_hits == 1
+            c.release(result[0].lease_id)
+    finally:
+        srv.stop()

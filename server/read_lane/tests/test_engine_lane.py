@@ -166,7 +166,11 @@ def test_the_lease_quota_is_one_over_both_lanes_and_a_session_end_releases_lane_
     served.save(keys(64, "q"), fill=1)  # the quota: half the 32 MiB pool, 64 blocks
     held = served.engine.query_prefix(served.sid, served.iid, keys(40, "q"), lease=True)
     assert held.num_hits == 40
-    hit = served.query(keys(64, "q"))
+    assert served.query(keys(64, "q")) is NOT_RUN  # would pass the quota: the engine cuts it
+    cut = served.engine.query_prefix(served.sid, served.iid, keys(64, "q"), lease=True)
+    assert cut.num_hits == 24
+    served.engine.release_lease(served.sid, cut.lease_id)
+    hit = served.query(keys(24, "q"))
     assert hit.num_hits == 24
     with pytest.raises(ResourceExhausted):
         served.engine.query_prefix(served.sid, served.iid, keys(1, "q"), lease=True)

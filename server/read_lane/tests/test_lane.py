@@ -105,19 +105,21 @@ def test_a_retired_block_is_hidden_at_once_and_reported_when_its_last_reader_let
     assert lane.stats()["retired_pinned"] == 0
 
 
-def test_the_session_quota_covers_both_lanes(served):
+def test_the_session_quota_covers_both_lanes_and_the_engine_decides_at_it(served):
     lane, client = served  # quota: 64 blocks
     lane.publish([entry(k, i * BLOCK) for i, k in enumerate(keys(64))])
     assert lane.charge("s1", 40 * BLOCK, BLOCK) == 40 * BLOCK  # the engine's leases
-    hit = query(client, keys(64))
-    assert hit.num_hits == 24  # cut to what is left
-    with pytest.raises(LocalRpcError) as err:
-        query(client, keys(1))
-    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # A lease that would pass the quota is the engine's to cut or refuse: a release the client sent
+    # the engine just before may not have run yet, and the engine runs a client's calls in order.
+    assert query(client, keys(64)) is NOT_RUN
+    assert not lane.pinned((NS, b"k0"))
+    hit = query(client, keys(24))
+    assert hit.num_hits == 24
     assert lane.charge("s1", BLOCK, BLOCK) == 0  # nothing left for the engine either
+    assert query(client, keys(1)) is NOT_RUN
     lane.uncharge("s1", 40 * BLOCK)
     assert query(client, keys(8)).num_hits == 8
-    assert lane.drain().counts["quota_refusals"] == 2
+    assert query(client, keys(8), lease=False).num_hits == 8  # no lease: no quota
 
 
 def test_the_lease_count_limit_covers_both_lanes(served):
@@ -127,9 +129,7 @@ def test_the_lease_count_limit_covers_both_lanes(served):
         assert lane.charge("s1", BLOCK, BLOCK) == BLOCK
     for _ in range(3):
         assert query(client, [b"a"]).num_hits == 1
-    with pytest.raises(LocalRpcError) as err:
-        query(client, [b"a"])
-    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert query(client, [b"a"]) is NOT_RUN  # the engine says why
     assert lane.charge("s1", BLOCK, BLOCK) == -1
 
 
