@@ -67,7 +67,7 @@ from pegaflow.server.read_lane.lane import LaneSignals, ReadLane
 from pegaflow.server.store import persistence
 from pegaflow.server.store.block_store import BlockStore, IoBatch, StoreLimits
 from pegaflow.server.store.free_reserve import FreeSlotReserve
-from pegaflow.server.store.index import BlockEntry
+from pegaflow.server.store.index import BlockEntry, BlockKey
 from pegaflow.server.store.namespace import KvLayout, NamespaceTable
 from pegaflow.server.store.stats import ClientCounters, EngineStats, NamespaceStats, TenantStats
 from pegaflow.server.tiers.base import IoStatus
@@ -578,7 +578,9 @@ class KVEngine:
                     self._store.missed(ns_index, hashes[len(scan.entries) :])
         finally:
             self._mover.submit(planned)
-        self._after_query(purpose, ns_index, hashes, ready, len(scan.entries) if account else None)
+        self._after_query(
+            purpose, ns_index, hashes, [e.key for e in ready], len(scan.entries) if account else None
+        )
         if self._foreground is not None and 0 < scan.ready == len(scan.entries):
             self._foreground.ready_hit()  # served now: SSD reads wait a moment (the pacer's own short lock)
         searching = False
@@ -1106,15 +1108,16 @@ class KVEngine:
         purpose: QueryPurpose,
         ns_index: int,
         hashes: Sequence[bytes],
-        ready: list[BlockEntry],
+        hit_keys: Sequence[BlockKey],
         num_hits: int | None,
     ) -> None:
         """Recency, frequency and metrics signals of a query, outside the engine lock (the policy has
-        its own). Hits are touched tail first, so the head of the prefix ends the most recent."""
+        its own): ``hit_keys`` are the keys of the blocks it answered as readable, touched tail first,
+        so the head of the prefix ends the most recent (a key the policy no longer holds is passed over)."""
         if purpose == QueryPurpose.LOOKUP:
-            self._signal(self._lookup_signals, ns_index, hashes, num_hits, ready)
+            self._signal(self._lookup_signals, ns_index, hashes, num_hits, hit_keys)
         else:
-            self._signal(self._refresh_signals, ready)
+            self._signal(self._refresh_signals, hit_keys)
 
     def _signal(self, fn: Callable, *args) -> None:
         # A failure here must not fail the query (its lease is already taken): it is logged.
@@ -1124,19 +1127,19 @@ class KVEngine:
             log.exception("query signals (policy / metrics) failed; the query itself succeeded")
 
     def _lookup_signals(
-        self, ns_index: int, hashes: Sequence[bytes], num_hits: int | None, hits: Sequence[BlockEntry] = ()
+        self, ns_index: int, hashes: Sequence[bytes], num_hits: int | None, hit_keys: Sequence[BlockKey] = ()
     ) -> None:
-        """A block request: ``hits`` are accessed; with ``num_hits`` (None: accounted later) every
+        """A block request: ``hit_keys`` are accessed; with ``num_hits`` (None: accounted later) every
         hash feeds the frequency sketch, the hit-rate windows and the HLL ceiling."""
-        if hits:
-            self.policy.on_access_many([entry.key for entry in reversed(hits)])
+        if hit_keys:
+            self.policy.on_access_many(hit_keys[::-1])
         if num_hits is not None:
             self.policy.record_lookups([(ns_index, h) for h in hashes])
             self.observer.on_lookup(ns_index, tuple(hashes), num_hits)
 
-    def _refresh_signals(self, hits: Sequence[BlockEntry]) -> None:
-        for entry in reversed(hits):
-            self.policy.on_refresh(entry.key)
+    def _refresh_signals(self, hit_keys: Sequence[BlockKey]) -> None:
+        for key in reversed(hit_keys):
+            self.policy.on_refresh(key)
 
     def _within_lease_quota(
         self, session: Session, entries: list[BlockEntry], block_bytes: int
@@ -1478,23 +1481,21 @@ class KVEngine:
             c.read_lane_not_executed += counts["not_executed"]
             c.read_lane_signals_dropped += counts["signals_dropped"]
             get = self._store.index.get
+            second_sightings = self._store.placement.on_reuse  # the SSD placement needs the entries
             for query in signals.queries:
-                ready = [
-                    e
-                    for e in (get((query.ns_index, h)) for h in query.hashes[: query.served])
-                    if e is not None and e.dram_ready
-                ]
-                if not query.load:
+                keys = [(query.ns_index, h) for h in query.hashes[: query.served]]
+                if second_sightings and not query.load:
+                    ready = [e for e in map(get, keys) if e is not None and e.dram_ready]
                     planned.append(self._store.reused(ready))
-                applied.append((query, ready))
+                applied.append((query, keys))
             for ns_index, key in signals.dead_released:
                 entry = get((ns_index, key))
                 if entry is not None:
                     self._store.lane_let_go(entry)
         self._mover.submit(planned)
-        for query, ready in applied:
+        for query, keys in applied:
             purpose = QueryPurpose.LOAD if query.load else QueryPurpose.LOOKUP
-            self._after_query(purpose, query.ns_index, query.hashes, ready, query.found)
+            self._after_query(purpose, query.ns_index, query.hashes, keys, query.found)
             if self._foreground is not None and query.found and not query.load:
                 self._foreground.ready_hit()
         for _, loaded, age in signals.loads:
