@@ -248,8 +248,17 @@ static StrSlot *strmap_probe(StrMap *m, const char *key, uint32_t klen, uint64_t
     }
 }
 
+/* Rehashes into a table sized by what it holds (at most half full after), dropping the tombstones:
+   ids come and go (sessions, leases), so growing by doubling alone would grow without bound. */
+static uint64_t rehash_capacity(uint64_t used) {
+    uint64_t cap = 64;
+    while (cap < (used + 1) * 2) cap *= 2;
+    return cap;
+}
+
 static int strmap_grow(StrMap *m) {
-    StrMap n = {calloc((m->mask + 1) * 2, sizeof(StrSlot)), (m->mask + 1) * 2 - 1, 0, 0};
+    uint64_t cap = rehash_capacity(m->used);
+    StrMap n = {calloc(cap, sizeof(StrSlot)), cap - 1, 0, 0};
     if (!n.slots) return -1;
     for (uint64_t i = 0; i <= m->mask; i++) {
         StrSlot *s = &m->slots[i];
@@ -329,7 +338,8 @@ static U64Slot *u64map_probe(U64Map *m, uint64_t key, int for_insert) {
 }
 
 static int u64map_grow(U64Map *m) {
-    U64Map n = {calloc((m->mask + 1) * 2, sizeof(U64Slot)), (m->mask + 1) * 2 - 1, 0, 0};
+    uint64_t cap = rehash_capacity(m->used);
+    U64Map n = {calloc(cap, sizeof(U64Slot)), cap - 1, 0, 0};
     if (!n.slots) return -1;
     for (uint64_t i = 0; i <= m->mask; i++) {
         U64Slot *s = &m->slots[i];
@@ -1693,7 +1703,8 @@ static PyObject *Lane_stats(Lane *l, PyObject *noargs) {
     unsigned long long live = l->dir.live, dead = l->dir.dead, pinned = l->lane_pinned_entries,
                        leases = l->leases.used, tombs = l->tombstones.used, conns = l->nconns,
                        evicted = l->evicted, idle = l->idle_closed, refused = l->refused,
-                       perr = l->protocol_errors, sig = l->sig_len, undone = l->undone_leases;
+                       perr = l->protocol_errors, sig = l->sig_len, undone = l->undone_leases,
+                       lease_slots = l->leases.mask + 1, session_slots = l->session_ids.mask + 1;
     unsigned long long leased = 0, sessions = 0;
     for (uint32_t i = 0; i < l->nsessions; i++)
         if (l->sessions[i].used) {
@@ -1701,11 +1712,12 @@ static PyObject *Lane_stats(Lane *l, PyObject *noargs) {
             leased += l->sessions[i].lane_bytes;
         }
     UNLOCK(l);
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "published", live, "retired_pinned", dead,
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "published", live, "retired_pinned", dead,
                          "pinned_blocks", pinned, "leases", leases, "leased_bytes", leased, "tombstones", tombs,
                          "sessions", sessions, "connections", conns, "evicted_connections", evicted,
                          "idle_closed_connections", idle, "refused_connections", refused, "protocol_errors", perr,
-                         "signal_bytes_pending", sig, "undone_leases", undone);
+                         "signal_bytes_pending", sig, "undone_leases", undone, "lease_slots", lease_slots,
+                         "session_slots", session_slots);
 }
 
 /* serve(listen_fd, hello, max_connections, idle_timeout_s, max_frame_bytes, frame_timeout_s,

@@ -365,3 +365,16 @@ def test_a_live_socket_is_never_taken_over(tmp_path):
         client.close()
     finally:
         first.stop()
+
+
+def test_tables_stay_sized_by_what_they_hold_however_many_ids_come_and_go(served):
+    lane, client = served
+    lane.publish([entry(b"a", 0)])
+    for _ in range(20_000):  # every query takes a lease under a fresh id, its release ends it
+        hit = query(client, [b"a"])
+        client.release("s1", wire.parse_lease_name(hit.lease_id), 0, time.monotonic() + 5)
+    for i in range(5_000):
+        lane.add_session(f"churn-{i}", 0, BLOCK, 1, True)
+        lane.remove_session(f"churn-{i}")
+    stats = lane.stats()
+    assert stats["leases"] == 0 and stats["lease_slots"] <= 256 and stats["session_slots"] <= 256
