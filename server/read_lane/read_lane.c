@@ -401,7 +401,8 @@ typedef struct {
 } Lease;
 
 typedef struct Conn {
-    int fd;
+    struct Conn *next_dead; /* closed in this pass of the loop: freed after it (events may still name it) */
+    int fd;                 /* -1 once closed */
     uint8_t *rbuf, *wbuf;
     size_t rlen, rcap, wlen, woff, wcap;
     uint64_t last_ns, frame_since_ns;
@@ -442,6 +443,7 @@ typedef struct {
     uint64_t idle_timeout_ns, frame_timeout_ns, buffered_limit, buffered;
     Conn **conns;
     uint32_t nconns, cap_conns;
+    Conn *dead; /* closed during the current batch of events */
     uint64_t evicted, idle_closed, refused, protocol_errors, undone_leases;
 } Lane;
 
@@ -858,12 +860,23 @@ static void conn_close(Lane *l, Conn *c, int goodbye) {
     }
     epoll_ctl(l->epoll_fd, EPOLL_CTL_DEL, c->fd, NULL);
     close(c->fd);
+    c->fd = -1;
     for (uint32_t i = 0; i < l->nconns; i++)
         if (l->conns[i] == c) {
             l->conns[i] = l->conns[--l->nconns];
             break;
         }
-    conn_free(l, c);
+    /* Not freed yet: a later event of this epoll_wait batch may still point at it. */
+    c->next_dead = l->dead;
+    l->dead = c;
+}
+
+static void free_dead(Lane *l) {
+    while (l->dead) {
+        Conn *c = l->dead;
+        l->dead = c->next_dead;
+        conn_free(l, c);
+    }
 }
 
 /* Writes what is pending; 0 = all out, 1 = some left (EPOLLOUT armed), -1 = the connection failed. */
@@ -1033,12 +1046,14 @@ static void *serve_loop(void *arg) {
                 accept_all(l, &paused_until);
             } else {
                 Conn *c = ptr;
+                if (c->fd < 0) continue; /* closed earlier in this batch (evicted at the cap) */
                 int rc = 0;
                 if (evs[i].events & EPOLLOUT) rc = conn_flush(l, c) < 0 ? -1 : 0;
                 if (rc == 0 && evs[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) rc = conn_read(l, c, scan);
                 if (rc < 0) conn_close(l, c, 0);
             }
         }
+        free_dead(l);
         uint64_t now = now_ns();
         if (paused_until && now >= paused_until) {
             struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &l->listen_fd};
@@ -1061,6 +1076,7 @@ static void *serve_loop(void *arg) {
         }
     }
     while (l->nconns) conn_close(l, l->conns[0], 1);
+    free_dead(l);
     free(scan);
     return NULL;
 }
