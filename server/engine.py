@@ -724,6 +724,10 @@ class KVEngine:
             session = self._live(session_id)
             instance = self._registry.instance(session, instance_id)
             entries = self._lane_lease_entries(session_id, lease_name, lane_lease)
+            if any(e.key[0] != instance.namespace.index for e in entries):
+                raise InvalidArgument(
+                    f"lease {lease_name} belongs to another namespace than instance {instance_id}"
+                )
             ready = 0
             for entry in entries:
                 if not entry.dram_ready or entry.corrupt:

@@ -15,7 +15,7 @@ from pegaflow.common.wire import read_lane as wire
 from pegaflow.common.wire.checksum import checksum
 from pegaflow.server.config import MIB, ServerConfig
 from pegaflow.server.engine import KVEngine
-from pegaflow.server.errors import ResourceExhausted
+from pegaflow.server.errors import InvalidArgument, NotFound, ResourceExhausted
 from pegaflow.server.store.namespace import KvLayout
 
 BLOCK = 256 * 1024
@@ -278,3 +278,16 @@ def test_a_pool_all_pinned_by_lane_leases_refuses_a_save_at_once(tmp_path):
         assert [s.name for s in res.statuses] == ["GRANTED"] * 8
     finally:
         served.close()
+
+
+def test_load_blocks_of_a_lane_lease_answers_its_blocks_for_its_own_namespace_only(served):
+    served.save(keys(4, "lb"), fill=1)
+    hit = served.query(keys(4, "lb"))
+    res = served.engine.load_blocks(served.sid, served.iid, hit.lease_id)
+    assert res.num_hits == 4 and res.offsets == [loc.offset for loc in hit.locations]
+    other = served.register(512 * 1024)  # another layout: another namespace
+    with pytest.raises(InvalidArgument):
+        served.engine.load_blocks(served.sid, other, hit.lease_id)
+    served.release(hit)
+    with pytest.raises(NotFound):
+        served.engine.load_blocks(served.sid, served.iid, hit.lease_id)
