@@ -65,8 +65,8 @@ QUERY_INTERVAL_S = 1 / 250
 SETTLE_S = 1.0
 SPIN_S = 0.001  # the baselines' client: as our local RPC client (client/local_rpc.py SPIN_S)
 ALL_SYSTEMS = (
-    "asyncio", "uvloop", "zmq", "ours", "ours-nolane", "ours-5ms", "ours-noinsights", "ours-noreserve",
-    "ours-si", "ours-sketch-thread", "pegaflow",
+    "asyncio", "uvloop", "zmq", "ours", "ours-nolane", "ours-nospin", "ours-5ms", "ours-noinsights",
+    "ours-noreserve", "ours-si", "ours-sketch-thread", "pegaflow",
 )  # fmt: skip
 # Variants of ours (run_ours): "ours-5ms" leaves CPython's 5 ms GIL switch interval (the GPU data path
 # lowers it to 0.2 ms by default); "ours-noinsights" switches the lookup sketches (HLL ceiling and
@@ -75,9 +75,13 @@ ALL_SYSTEMS = (
 # (--lookup-sketches thread) instead of their own process; "ours-noreserve" runs the server with
 # --free-reserve 0 (saves evict for themselves, no evictions ahead on a thread of their own);
 # "ours-nolane" runs it with --read-lane off: queries and releases served by the engine (over the local
-# RPC socket) instead of the read lane's native thread (server/read_lane/), as before 2026-12-05.
+# RPC socket) instead of the read lane's native thread (server/read_lane/), as before 2026-12-05;
+# "ours-nospin": the measuring client waits for each answer in the kernel at once instead of polling
+# for up to 1 ms first (client/read_lane.py SPIN_S): one release of its interpreter lock per query,
+# not one per poll, which other threads of its process may take meanwhile.
 OURS_VARIANTS = {
     "ours-nolane": {"args": ["--read-lane", "off"]},
+    "ours-nospin": {"client_spin_s": 0.0},
     "ours-5ms": {"runtime": {"SWITCH_INTERVAL_S": 1.0}},  # never lowered: CPython's 5 ms stays
     "ours-noinsights": {"no_insights": True},
     "ours-noreserve": {"args": ["--free-reserve", "0"]},
@@ -837,6 +841,9 @@ def run_ours(args, out: pathlib.Path, system: str = "ours", switch_interval: flo
         local = PegaClient(addr, timeout_s=30.0, name="tail-local")
         local.connect()
         clients.append(local)
+        spin = OURS_VARIANTS.get(system, {}).get("client_spin_s")
+        if spin is not None and local._conn.lane is not None:
+            local._conn.lane._link.spin_s = spin
         inst = local.register_instance(_ours_layout(tag))
         if registration is not None:
             dev = local.register_device_memory(inst, registration)
