@@ -1,4 +1,4 @@
-"""Where the server's natively built modules are cached, and how one is put there.
+"""Where the server's natively built modules are cached, how one is put there, and how it is loaded.
 
 A build goes into the first writable cache folder, keyed by a hash of everything that shapes the
 binary (its source, the compiler flags, the Python version), so pytest from the tree, ``pip
@@ -9,8 +9,10 @@ reuse it. Concurrent builders (two test processes) each build in a private tempo
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 
@@ -51,3 +53,18 @@ def cached_build(filename: str, build: Callable[[str, str], None]) -> str:
             continue
         return target
     raise RuntimeError("; ".join(errors))
+
+
+def load_built(path: str):
+    """The extension module at ``path`` (imported once per process; its name is the file's stem).
+    Raises ImportError when it cannot be loaded."""
+    name = os.path.basename(path).split(".")[0]
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    sys.modules[name] = mod
+    return mod

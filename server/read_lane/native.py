@@ -26,7 +26,7 @@ import sysconfig
 import threading
 from functools import partial
 
-from pegaflow.server.native.cache import cached_build
+from pegaflow.server.native.cache import cached_build, load_built
 
 log = logging.getLogger(__name__)
 
@@ -83,22 +83,6 @@ def _compile(name: str, work: str, target: str) -> None:
     done = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=120)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:1])} failed: {done.stderr.strip()[-2000:]}")
-
-
-def _import(path: str):
-    name = os.path.basename(path).split(".")[0]
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ReadLaneUnavailable(f"cannot load {path}")
-    mod = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(mod)
-    except ImportError as e:
-        raise ReadLaneUnavailable(f"cannot load {path}: {e}") from e
-    sys.modules[name] = mod
-    return mod
 
 
 # The child's self-test: a session, an instance, a published block, one leased query and its
@@ -174,5 +158,9 @@ def load():
         raise ReadLaneUnavailable(why)
     with _lock:
         if _loaded is None:
-            _loaded = _import(module_path())
+            path = module_path()
+            try:
+                _loaded = load_built(path)
+            except ImportError as e:
+                raise ReadLaneUnavailable(f"cannot load {path}: {e}") from e
         return _loaded

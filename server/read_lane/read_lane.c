@@ -1161,6 +1161,27 @@ static int key_arg(PyObject *obj, const uint8_t **key, Py_ssize_t *klen) {
     return 0;
 }
 
+/* (ns, key) positional arguments, the key checked as a block hash the lane keeps. */
+static int ns_key_args(PyObject *args, uint32_t *ns, const uint8_t **key, Py_ssize_t *klen) {
+    unsigned int n;
+    PyObject *obj;
+    if (!PyArg_ParseTuple(args, "IO", &n, &obj) || key_arg(obj, key, klen) < 0) return -1;
+    *ns = n;
+    return 0;
+}
+
+/* Takes a published block out of the directory unless a lane lease pins it: 1 when it is no longer
+   published (taken out, or not there), 0 when it stays. Under the lock. */
+static int dir_try_unpublish(Lane *l, uint32_t ns, const uint8_t *key, uint32_t klen) {
+    uint32_t id = dir_find(&l->dir, ns, key, klen);
+    if (!id) return 1;
+    if (entry_at(&l->dir, id)->pins) return 0;
+    dir_unlink(&l->dir, id);
+    l->dir.live--;
+    dir_release_id(&l->dir, id);
+    return 1;
+}
+
 /* publish(ns, keys, slots, length, checksums) -> None: blocks sealed, readable in DRAM. */
 static PyObject *Lane_publish(Lane *l, PyObject *args) {
     unsigned int ns, length;
@@ -1248,24 +1269,12 @@ fail:
 
 /* unpublish(ns, key) -> bool: False when a lane lease pins it (it stays published). */
 static PyObject *Lane_unpublish(Lane *l, PyObject *args) {
-    unsigned int ns;
-    PyObject *key;
+    uint32_t ns;
     const uint8_t *k;
     Py_ssize_t kl;
-    if (!PyArg_ParseTuple(args, "IO", &ns, &key) || key_arg(key, &k, &kl) < 0) return NULL;
-    int ok = 1;
+    if (ns_key_args(args, &ns, &k, &kl) < 0) return NULL;
     LOCK(l);
-    uint32_t id = dir_find(&l->dir, ns, k, (uint32_t)kl);
-    if (id) {
-        Entry *e = entry_at(&l->dir, id);
-        if (e->pins) {
-            ok = 0;
-        } else {
-            dir_unlink(&l->dir, id);
-            l->dir.live--;
-            dir_release_id(&l->dir, id);
-        }
-    }
+    int ok = dir_try_unpublish(l, ns, k, (uint32_t)kl);
     UNLOCK(l);
     return PyBool_FromLong(ok);
 }
@@ -1293,18 +1302,7 @@ static PyObject *Lane_unpublish_many(Lane *l, PyObject *arg) {
     }
     uint8_t *mask = (uint8_t *)PyBytes_AS_STRING(out);
     LOCK(l);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint32_t id = dir_find(&l->dir, nss[i], ks[i], (uint32_t)lens[i]);
-        mask[i] = 1;
-        if (!id) continue;
-        if (entry_at(&l->dir, id)->pins) {
-            mask[i] = 0;
-        } else {
-            dir_unlink(&l->dir, id);
-            l->dir.live--;
-            dir_release_id(&l->dir, id);
-        }
-    }
+    for (Py_ssize_t i = 0; i < n; i++) mask[i] = (uint8_t)dir_try_unpublish(l, nss[i], ks[i], (uint32_t)lens[i]);
     UNLOCK(l);
     PyMem_Free(nss);
     PyMem_Free(ks);
@@ -1322,11 +1320,10 @@ fail:
 
 /* retire(ns, key) -> int: hidden from queries now; the lane leases still holding it (0: forgotten). */
 static PyObject *Lane_retire(Lane *l, PyObject *args) {
-    unsigned int ns;
-    PyObject *key;
+    uint32_t ns;
     const uint8_t *k;
     Py_ssize_t kl;
-    if (!PyArg_ParseTuple(args, "IO", &ns, &key) || key_arg(key, &k, &kl) < 0) return NULL;
+    if (ns_key_args(args, &ns, &k, &kl) < 0) return NULL;
     uint32_t pins = 0;
     LOCK(l);
     uint32_t id = dir_find(&l->dir, ns, k, (uint32_t)kl);
@@ -1362,11 +1359,10 @@ static PyObject *Lane_set_checksum(Lane *l, PyObject *args) {
 
 /* pins(ns, key) -> int: the lane leases pinning a published block; -1 when it is not published. */
 static PyObject *Lane_pins(Lane *l, PyObject *args) {
-    unsigned int ns;
-    PyObject *key;
+    uint32_t ns;
     const uint8_t *k;
     Py_ssize_t kl;
-    if (!PyArg_ParseTuple(args, "IO", &ns, &key) || key_arg(key, &k, &kl) < 0) return NULL;
+    if (ns_key_args(args, &ns, &k, &kl) < 0) return NULL;
     LOCK(l);
     uint32_t id = dir_find(&l->dir, ns, k, (uint32_t)kl);
     long pins = id ? (long)entry_at(&l->dir, id)->pins : -1;

@@ -36,7 +36,7 @@ import tempfile
 import threading
 from functools import partial
 
-from pegaflow.server.native.cache import cached_build
+from pegaflow.server.native.cache import cached_build, load_built
 
 log = logging.getLogger(__name__)
 
@@ -203,19 +203,10 @@ def _compile(name: str, work: str, target: str) -> None:
 def load():
     """(ffi, lib) of the compiled binding in this process. Raises UringUnavailable."""
     path = module_path()
-    name = os.path.basename(path).split(".")[0]
-    if name in sys.modules:
-        mod = sys.modules[name]
-    else:
-        spec = importlib.util.spec_from_file_location(name, path)
-        if spec is None or spec.loader is None:
-            raise UringUnavailable(f"cannot load {path}")
-        mod = importlib.util.module_from_spec(spec)
-        try:
-            spec.loader.exec_module(mod)
-        except ImportError as e:
-            raise UringUnavailable(f"cannot load {path}: {e}") from e
-        sys.modules[name] = mod
+    try:
+        mod = load_built(path)
+    except ImportError as e:
+        raise UringUnavailable(f"cannot load {path}: {e}") from e
     return mod.ffi, mod.lib
 
 
