@@ -9,8 +9,9 @@ directory of the blocks readable in DRAM; it answers a query and pins what it fo
 mutex, never the interpreter lock, and hands the recency and metrics signals of each call to the
 Python side afterwards. What it cannot answer exactly as the engine would (an unknown session or
 instance, a chain that continues on SSD or another node, a tenant with a lease cap, a lease over
-the session's quota, anything malformed or unusual) it answers NOT_EXECUTED, and the client sends the call over the local RPC
-socket instead, where the engine answers it with its own checks and messages.
+the session's quota, anything malformed or unusual) it answers NOT_EXECUTED, and the client sends
+the call over the local RPC socket instead, where the engine answers it with its own checks and
+messages.
 
 The server end is ``server/read_lane/read_lane.c`` (its reader and writer of these frames follow
 this docstring, field for field; ``server/read_lane/tests/test_wire.py`` holds both to it), the
