@@ -235,9 +235,6 @@ class ReadLane:
     def uncharge(self, session_id: str, nbytes: int) -> None:
         self._lane.uncharge(session_id, nbytes)
 
-    def session_leases(self, session_id: str) -> tuple[int, int, int, int] | None:
-        return self._lane.session_leases(session_id)
-
     # ---------------------------------------------------------- lane leases
 
     def release(self, session_id: str, lease_id: int, loaded_bytes: int) -> tuple[int, float] | None:

@@ -668,7 +668,6 @@ static int handle_query(Lane *l, Req *r, Out *o, Scan *scan, uint64_t now) {
     /* The rest of the hashes must still be well formed (the engine would refuse them). */
     for (uint32_t i = found; i < r->n; i++)
         if (r->lengths[i] == 0 || r->lengths[i] > l->max_hash_bytes) return not_executed(l, o, "hash length");
-    uint32_t served = found;
     int load = r->flags & FLAG_PURPOSE_LOAD;
     if (lease && found) {
         /* At the session's lease quota (count or bytes over both lanes) the engine decides: a release
@@ -688,8 +687,8 @@ static int handle_query(Lane *l, Req *r, Out *o, Scan *scan, uint64_t now) {
         l->counts[C_DRAM_HITS] += found;
         l->counts[C_MISSES] += r->n - found;
     }
-    if (lease && served) {
-        Lease *ls = malloc(sizeof(Lease) + served * sizeof(uint32_t));
+    if (lease && found) {
+        Lease *ls = malloc(sizeof(Lease) + found * sizeof(uint32_t));
         if (!ls || u64map_put(&l->leases, r->lease_id, (uint64_t)(uintptr_t)ls)) {
             free(ls);
             return answer_status(o, ST_RESOURCE_EXHAUSTED, 0, "the read lane is out of memory", "");
@@ -697,11 +696,11 @@ static int handle_query(Lane *l, Req *r, Out *o, Scan *scan, uint64_t now) {
         ls->id = r->lease_id;
         ls->session = si;
         ls->ns = inst->ns;
-        ls->n = served;
+        ls->n = found;
         ls->bytes = 0;
         ls->created = now;
         ls->expires = now + ttl;
-        for (uint32_t i = 0; i < served; i++) {
+        for (uint32_t i = 0; i < found; i++) {
             Entry *e = entry_at(&l->dir, scan->ids[i]);
             if (e->pins++ == 0) l->lane_pinned_entries++;
             ls->entries[i] = scan->ids[i];
@@ -719,25 +718,25 @@ static int handle_query(Lane *l, Req *r, Out *o, Scan *scan, uint64_t now) {
         p[1] = load ? 1 : 0;
         put16(p + 2, (uint16_t)r->n);
         put16(p + 4, (uint16_t)found);
-        put16(p + 6, (uint16_t)served);
+        put16(p + 6, (uint16_t)found); /* served: all found (a lease past the quota is the engine's) */
         put32(p + 8, inst->ns);
         memcpy(p + 12, r->lengths, r->n);
         memcpy(p + 12 + r->n, r->hashes, r->hash_total);
     }
     /* The answer. */
-    size_t body = 14 + 1 + 16 * (size_t)served;
+    size_t body = 14 + 1 + 16 * (size_t)found;
     if (out_room(o, 4 + body)) return -1;
     uint8_t *q = o->p + o->len;
     put32(q, (uint32_t)body);
     memcpy(q + 4, MAGIC, 4);
     q[8] = ST_OK;
     q[9] = 0;
-    put16(q + 10, (uint16_t)served);
+    put16(q + 10, (uint16_t)found);
     put32(q + 12, inst->block_bytes);
     put16(q + 16, 0);
     q[18] = 0;
-    uint8_t *offs = q + 19, *sums = q + 19 + 8 * (size_t)served;
-    for (uint32_t i = 0; i < served; i++) {
+    uint8_t *offs = q + 19, *sums = q + 19 + 8 * (size_t)found;
+    for (uint32_t i = 0; i < found; i++) {
         Entry *e = entry_at(&l->dir, scan->ids[i]);
         put64(offs + 8 * (size_t)i, e->slot - s->part_base);
         put64(sums + 8 * (size_t)i, e->checksum);
@@ -1572,24 +1571,6 @@ static PyObject *Lane_uncharge(Lane *l, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* session_leases(session_id) -> (lane leases, lane bytes, engine leases, engine bytes) or None. */
-static PyObject *Lane_session_leases(Lane *l, PyObject *args) {
-    PyObject *sid;
-    const char *p;
-    Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "O", &sid) || id_arg(sid, &p, &n) < 0) return NULL;
-    LOCK(l);
-    Session *s = n <= MAX_ID ? find_session(l, p, (uint32_t)n, NULL) : NULL;
-    if (!s) {
-        UNLOCK(l);
-        Py_RETURN_NONE;
-    }
-    unsigned int ll = s->lane_leases, pl = s->py_leases;
-    unsigned long long lb = s->lane_bytes, pb = s->py_bytes;
-    UNLOCK(l);
-    return Py_BuildValue("(IKIK)", ll, lb, pl, pb);
-}
-
 /* release(session_id, lease_id, loaded_bytes) -> (bytes, age_s) or None (unknown: tombstoned). For a
    lane lease released through the engine (a release that reports corrupt blocks, or sent there). */
 static PyObject *Lane_release(Lane *l, PyObject *args) {
@@ -1812,7 +1793,6 @@ static PyMethodDef Lane_methods[] = {
     {"remove_instance", (PyCFunction)Lane_remove_instance, METH_VARARGS, NULL},
     {"charge", (PyCFunction)Lane_charge, METH_VARARGS, NULL},
     {"uncharge", (PyCFunction)Lane_uncharge, METH_VARARGS, NULL},
-    {"session_leases", (PyCFunction)Lane_session_leases, METH_VARARGS, NULL},
     {"release", (PyCFunction)Lane_release, METH_VARARGS, NULL},
     {"lease_keys", (PyCFunction)Lane_lease_keys, METH_VARARGS, NULL},
     {"expire", (PyCFunction)Lane_expire, METH_VARARGS, NULL},

@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from pegaflow.client.frame_link import LocalRpcError
 from pegaflow.client.read_lane import NOT_RUN, ReadLaneClient
 from pegaflow.common.wire import read_lane as wire
 from pegaflow.common.wire.checksum import checksum
@@ -291,3 +292,21 @@ def test_load_blocks_of_a_lane_lease_answers_its_blocks_for_its_own_namespace_on
     served.release(hit)
     with pytest.raises(NotFound):
         served.engine.load_blocks(served.sid, served.iid, hit.lease_id)
+
+
+def test_another_session_can_neither_release_nor_load_a_lane_lease(served):
+    """Lease ids are bound to the session that took them: another local client that learns one gets
+    NOT_FOUND on the lane and through the engine, and the lease keeps pinning its blocks."""
+    served.save(keys(2, "mine"), fill=1)
+    hit = served.query(keys(2, "mine"))
+    other = served.engine.open_session("other").session_id
+    other_iid = served.register(BLOCK, sid=other)
+    with pytest.raises(LocalRpcError) as err:
+        served.client.release(other, wire.parse_lease_name(hit.lease_id), 0, time.monotonic() + 5)
+    assert err.value.code().name == "NOT_FOUND"
+    with pytest.raises(NotFound):
+        served.engine.release_lease(other, hit.lease_id)
+    with pytest.raises(NotFound):
+        served.engine.load_blocks(other, other_iid, hit.lease_id)
+    assert served.engine.lane.pinned((served.ns_index(), b"mine-0"))
+    assert served.release(hit) is None
