@@ -10,8 +10,9 @@
 #
 # It installs the wheels into /tmp/site and PegaFlow (the anchor, also a package named pegaflow) into
 # /tmp/anchor, makes this checkout importable as `pegaflow` (/tmp/pp/pegaflow -> here), and says
-# whether the server's native parts can be built there (C compiler, Python headers) and the read
-# lane proves itself: without them the server runs, but every query goes to the engine.
+# whether the native parts can be built there (C compiler, Python headers) and prove themselves:
+# without them the server runs, but every query goes to the engine (the read lane), and the client
+# waits for answers in Python (client/native/frame_wait.py).
 set -e
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
     $(ls .whl/*.whl | grep -v pegaflow_llm)
@@ -25,5 +26,7 @@ inc = sysconfig.get_paths()["include"]
 print(f"device: python headers {inc}: {os.path.exists(os.path.join(inc, 'Python.h'))}; gcc {shutil.which('gcc')}")
 from pegaflow.server.read_lane import native
 print("device: read lane:", native.probe() or "ok")
+from pegaflow.client.native import frame_wait
+print("device: client native frame wait:", frame_wait.EXTENSION.probe() or "ok")
 EOF
 set +e

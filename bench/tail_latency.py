@@ -65,8 +65,8 @@ QUERY_INTERVAL_S = 1 / 250
 SETTLE_S = 1.0
 SPIN_S = 0.001  # the baselines' client: as our local RPC client (client/local_rpc.py SPIN_S)
 ALL_SYSTEMS = (
-    "asyncio", "uvloop", "zmq", "ours", "ours-nolane", "ours-nospin", "ours-5ms", "ours-noinsights",
-    "ours-noreserve", "ours-si", "ours-sketch-thread", "pegaflow",
+    "asyncio", "uvloop", "zmq", "ours", "ours-nolane", "ours-nospin", "ours-pywait", "ours-5ms",
+    "ours-noinsights", "ours-noreserve", "ours-si", "ours-sketch-thread", "pegaflow",
 )  # fmt: skip
 # Variants of ours (run_ours): "ours-5ms" leaves CPython's 5 ms GIL switch interval (the GPU data path
 # lowers it to 0.2 ms by default); "ours-noinsights" switches the lookup sketches (HLL ceiling and
@@ -78,10 +78,13 @@ ALL_SYSTEMS = (
 # RPC socket) instead of the read lane's native thread (server/read_lane/), as before 2026-12-05;
 # "ours-nospin": the measuring client waits for each answer in the kernel at once instead of polling
 # for up to 1 ms first (client/read_lane.py SPIN_S): one release of its interpreter lock per query,
-# not one per poll, which other threads of its process may take meanwhile.
+# not one per poll, which other threads of its process may take meanwhile; "ours-pywait": every client
+# of the run (the measuring one and the load's) waits for its answers in Python, polling, as before
+# 2026-12-06, instead of natively outside the interpreter lock (client/native/frame_wait.py).
 OURS_VARIANTS = {
     "ours-nolane": {"args": ["--read-lane", "off"]},
     "ours-nospin": {"client_spin_s": 0.0},
+    "ours-pywait": {"python_wait": True},
     "ours-5ms": {"runtime": {"SWITCH_INTERVAL_S": 1.0}},  # never lowered: CPython's 5 ms stays
     "ours-noinsights": {"no_insights": True},
     "ours-noreserve": {"args": ["--free-reserve", "0"]},
@@ -718,8 +721,21 @@ def phases(args, query, spec: dict, out: pathlib.Path, placements, env=None, in_
 # ------------------------------------------------------------------ ours
 
 
+def client_answer_wait(system: str) -> str:
+    """How this process's pegaflow clients wait for answers in this system's run: natively (the
+    client as shipped, once its module is proven) or in Python (the "ours-pywait" variant)."""
+    from pegaflow.client.native import frame_wait
+
+    if OURS_VARIANTS.get(system, {}).get("python_wait"):
+        frame_wait.use(False)
+        return "python"
+    return "native" if frame_wait.use(True) else f"python ({frame_wait.EXTENSION.probe()})"
+
+
 def ours_factories(spec: dict, hashes: list[bytes]):
     from pegaflow.client import PegaClient
+
+    client_answer_wait(spec["system"])
 
     layout = _ours_layout(spec["layout_tag"])
     registration = pickle.loads(base64.b64decode(spec["registration"])) if spec.get("registration") else None
@@ -838,6 +854,7 @@ def run_ours(args, out: pathlib.Path, system: str = "ours", switch_interval: flo
             registration = export_torch_kv(tensors, [1] * L, NB)
             tag = _layout_tag(tensors, [1] * L)
         hashes = new_hashes(NQ)
+        res["client_answer_wait"] = client_answer_wait(system)
         local = PegaClient(addr, timeout_s=30.0, name="tail-local")
         local.connect()
         clients.append(local)

@@ -22,6 +22,10 @@ A connection the server closed while it sat idle here (idle timeout, eviction at
 cap) fails the send (EPIPE), or, if the close races with the send, answers with the server's
 GOODBYE, which says it never read the request: either way the call is sent once more, on a new
 connection. Every socket operation is bounded by the time left before the call's deadline.
+
+A caller waits for its answer outside the interpreter lock (native/frame_wait.py): the spin, the sleep
+and the read with the lock released once, not once per poll, which other threads of the process
+(vLLM's, a GPU copy's waiter) would take meanwhile.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import time
 
 import grpc
 
+from pegaflow.client.native import frame_wait
 from pegaflow.common.wire import frames
 
 log = logging.getLogger("pegaflow.client")
@@ -132,6 +137,7 @@ class FrameLink:
         self._disabled = ""  # why this socket is never to be used (not our server); "" = usable
         self._closed = False
         self._warned = False
+        frame_wait.start()  # the answers' wait without the interpreter lock, once built (native/frame_wait.c)
 
     @property
     def usable(self) -> bool:
@@ -159,8 +165,14 @@ class FrameLink:
             conn = pending.conn
             left = pending.deadline - time.monotonic()
             try:
-                frames.spin_until_readable(conn.poller, max(min(self.spin_s, left), 0.0), self._yield)
-                body = frames.read_frame(conn.sock, self._max_frame, pending.deadline)
+                body = frame_wait.recv_frame(
+                    conn.sock,
+                    conn.poller,
+                    self._max_frame,
+                    max(min(self.spin_s, left), 0.0),
+                    self._yield,
+                    pending.deadline,
+                )
             except TimeoutError:
                 self._drop(conn)
                 raise

@@ -18,6 +18,7 @@ import pytest
 
 from pegaflow.client import PegaClient
 from pegaflow.client.frame_link import FrameLink, LinkFailed, NotSent
+from pegaflow.client.native import frame_wait
 from pegaflow.common.wire import frames
 from pegaflow.server.endpoints.base import FrameCodec
 from pegaflow.server.endpoints.tests.support import LAYOUT, assert_hung_up, connect_raw, save_and_load
@@ -52,6 +53,16 @@ class EchoCodec(FrameCodec):
 
     def refusal(self, code: grpc.StatusCode, message: str) -> bytes:
         return frames.encode_frame(b"no" + bytes((code.value[0],)) + message.encode())
+
+
+@pytest.fixture(autouse=True, params=["python-wait", "native-wait"])
+def answer_wait(request):
+    """Every test with the client's answers waited for both ways: in Python, and natively
+    (client/native/frame_wait.py), which must behave the same."""
+    was = frame_wait.is_native()
+    assert frame_wait.use(request.param == "native-wait"), frame_wait.EXTENSION.probe()
+    yield request.param
+    frame_wait.use(was)
 
 
 @pytest.fixture

@@ -36,7 +36,7 @@ import tempfile
 import threading
 from functools import partial
 
-from pegaflow.server.native.cache import cached_build, load_built
+from pegaflow.common.native.cache import cached_build, load_built
 
 log = logging.getLogger(__name__)
 

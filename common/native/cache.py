@@ -1,4 +1,4 @@
-"""Where the server's natively built modules are cached, how one is put there, and how it is loaded.
+"""Where pegaflow's natively built modules are cached, how one is put there, and how it is loaded.
 
 A build goes into the first writable cache folder, keyed by a hash of everything that shapes the
 binary (its source, the compiler flags, the Python version), so pytest from the tree, ``pip

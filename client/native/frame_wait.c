@@ -1,0 +1,173 @@
+/* The client's wait for a local socket's answer, outside the interpreter lock.
+ *
+ * A local call's answer comes within tens of microseconds (the read lane) to milliseconds (a GPU
+ * copy behind the doorbell). Waiting for it in Python (client/frame_link.py) polls the socket in a
+ * loop, and every poll releases and re-takes the interpreter lock: in a process where other Python
+ * threads run (vLLM's, a benchmark's load), each re-take may wait for another thread's turn, and a
+ * thread spinning hot hands the lock back and forth thousands of times a second. Here the whole wait
+ * (the spin, the sleep in the kernel, the frame's length and body) runs with the lock released once,
+ * and taken once at the end.
+ *
+ *   recv_frame(fd, limit, spin_s, yield_cpu, deadline) -> (code, value)
+ *
+ * ``fd``: a connected, non-blocking stream socket. ``limit``: the longest body accepted.
+ * ``spin_s``: how long to poll without sleeping (``yield_cpu``: sched_yield between polls, so the spin
+ * only takes idle CPU). ``deadline``: time.monotonic() value (CLOCK_MONOTONIC) by which the whole
+ * frame must be in. The frame is common/wire/frames.py's: u32 little-endian body length, body.
+ * Codes (the Python side, client/native/frame_wait.py, turns them into frames.read_frame's results):
+ *   0 value = the body (bytes; b"" is the server's GOODBYE)
+ *   1 value = None: the peer closed the connection before a frame began
+ *   2 the deadline passed
+ *   3 value = errno of a failed recv or poll
+ *   4 the peer closed the connection inside a frame
+ *   5 value = the announced length, longer than ``limit`` (the body is left unread)
+ * A signal that interrupts the wait runs its Python handler; if the handler raises, so does this.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <poll.h>
+#include <sched.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+
+enum { FW_OK = 0, FW_EOF = 1, FW_TIMEOUT = 2, FW_ERRNO = 3, FW_CUT = 4, FW_TOO_LARGE = 5, FW_SIGNAL = 6 };
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* 1 readable (or hung up), 0 deadline passed, -errno. EINTR is returned as FW_SIGNAL's cue. */
+static int wait_readable(int fd, double spin_s, int yield_cpu, double deadline) {
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    double start = now_s();
+    for (;;) { /* the spin: no sleep, the answer is expected soon */
+        int r = poll(&p, 1, 0);
+        if (r > 0) return 1;
+        if (r < 0) return -errno;
+        double t = now_s();
+        if (t - start >= spin_s || t >= deadline) break;
+        if (yield_cpu) sched_yield();
+    }
+    for (;;) {
+        double left = deadline - now_s();
+        if (left <= 0) return 0;
+        int ms = (int)(left * 1000.0) + 1; /* never 0 while time is left: that would spin */
+        int r = poll(&p, 1, ms);
+        if (r > 0) return 1;
+        if (r < 0) return -errno;
+    }
+}
+
+/* Reads exactly n bytes into buf. FW_OK, FW_EOF (nothing read and allow_eof), FW_CUT, FW_TIMEOUT,
+ * FW_ERRNO (*err set), FW_SIGNAL. */
+static int read_exact(int fd, char *buf, size_t n, double deadline, int allow_eof, int *err) {
+    size_t got = 0;
+    while (got < n) {
+        ssize_t r = recv(fd, buf + got, n - got, MSG_DONTWAIT);
+        if (r > 0) {
+            got += (size_t)r;
+            continue;
+        }
+        if (r == 0) return (allow_eof && got == 0) ? FW_EOF : FW_CUT;
+        if (errno == EINTR) return FW_SIGNAL;
+        if (errno != EAGAIN && errno != EWOULDBLOCK) {
+            *err = errno;
+            return FW_ERRNO;
+        }
+        int w = wait_readable(fd, 0.0, 0, deadline);
+        if (w == 0) return FW_TIMEOUT;
+        if (w == -EINTR) return FW_SIGNAL;
+        if (w < 0) {
+            *err = -w;
+            return FW_ERRNO;
+        }
+    }
+    return FW_OK;
+}
+
+static PyObject *recv_frame(PyObject *self, PyObject *args) {
+    int fd, yield_cpu;
+    Py_ssize_t limit;
+    double spin_s, deadline;
+    if (!PyArg_ParseTuple(args, "indpd", &fd, &limit, &spin_s, &yield_cpu, &deadline)) return NULL;
+    if (limit < 0) {
+        PyErr_SetString(PyExc_ValueError, "limit must not be negative");
+        return NULL;
+    }
+    int code = FW_OK, err = 0;
+    uint32_t size = 0;
+    char *body = NULL;
+    int waited = 0;
+    for (;;) {
+        Py_BEGIN_ALLOW_THREADS
+        unsigned char head[4];
+        if (!waited) {
+            int w = wait_readable(fd, spin_s, yield_cpu, deadline);
+            if (w == 0) code = FW_TIMEOUT;
+            else if (w == -EINTR) code = FW_SIGNAL;
+            else if (w < 0) code = FW_ERRNO, err = -w;
+            else waited = 1;
+        }
+        if (waited && code == FW_OK) {
+            code = read_exact(fd, (char *)head, 4, deadline, 1, &err);
+            if (code == FW_OK) {
+                size = (uint32_t)head[0] | (uint32_t)head[1] << 8 | (uint32_t)head[2] << 16 |
+                       (uint32_t)head[3] << 24;
+                if ((Py_ssize_t)size > limit) {
+                    code = FW_TOO_LARGE;
+                } else if (size > 0) {
+                    body = malloc(size);
+                    if (body == NULL) code = FW_ERRNO, err = ENOMEM;
+                    else code = read_exact(fd, body, size, deadline, 0, &err);
+                }
+            }
+        }
+        Py_END_ALLOW_THREADS
+        if (code != FW_SIGNAL) break;
+        /* A signal broke the wait: its handler runs now; a wait cut inside a frame cannot resume. */
+        free(body);
+        body = NULL;
+        if (PyErr_CheckSignals() < 0) return NULL;
+        if (waited) { /* part of a frame may be read: the stream is out of step */
+            code = FW_ERRNO, err = EINTR;
+            break;
+        }
+        code = FW_OK;
+    }
+    PyObject *value;
+    switch (code) {
+    case FW_OK:
+        value = PyBytes_FromStringAndSize(body, size);
+        free(body);
+        if (value == NULL) return NULL;
+        return Py_BuildValue("(iN)", code, value);
+    case FW_ERRNO:
+        free(body);
+        return Py_BuildValue("(ii)", code, err);
+    case FW_TOO_LARGE:
+        return Py_BuildValue("(iI)", code, size);
+    default:
+        free(body);
+        return Py_BuildValue("(iO)", code, Py_None);
+    }
+}
+
+static PyMethodDef methods[] = {
+    {"recv_frame", recv_frame, METH_VARARGS,
+     "recv_frame(fd, limit, spin_s, yield_cpu, deadline) -> (code, value): one frame, waited for "
+     "without the interpreter lock."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, MODULE_NAME, NULL, -1, methods};
+
+#define INIT_NAME2(sym) PyInit_##sym
+#define INIT_NAME(sym) INIT_NAME2(sym)
+PyMODINIT_FUNC INIT_NAME(MODULE_SYMBOL)(void) { return PyModule_Create(&module); }

@@ -1,0 +1,135 @@
+"""The client's native frame wait (client/native/frame_wait.c) against the Python one it replaces:
+the same body, GOODBYE, EOF, cut frame, oversized frame, timeout and error for the same bytes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from pegaflow.client.native import frame_wait
+from pegaflow.common.wire import frames
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(params=["python", "native"])
+def wait_mode(request):
+    was = frame_wait.is_native()
+    assert frame_wait.use(request.param == "native"), frame_wait.EXTENSION.probe()
+    yield request.param
+    frame_wait.use(was)
+
+
+@pytest.fixture
+def pair():
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def recv(sock: socket.socket, limit: int = 1 << 20, spin_s: float = 0.001, timeout_s: float = 5.0):
+    poller = __import__("select").poll()
+    poller.register(sock, 1)
+    return frame_wait.recv_frame(sock, poller, limit, spin_s, True, time.monotonic() + timeout_s)
+
+
+def test_frames_goodbye_and_eof(wait_mode, pair):
+    a, b = pair
+    big = os.urandom(600_000)  # more than a socket buffer: read while the sender still writes
+    sender = threading.Thread(
+        target=b.sendall, args=(frames.encode_frame(b"hello") + frames.GOODBYE + frames.encode_frame(big),)
+    )
+    sender.start()
+    assert recv(a) == b"hello"
+    assert recv(a) == b""
+    assert recv(a) == big
+    sender.join()
+    b.close()
+    assert recv(a) is None
+
+
+def test_a_frame_cut_off_or_too_long_or_late(wait_mode, pair):
+    a, b = pair
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        recv(a, spin_s=0.0, timeout_s=0.05)
+    assert 0.04 <= time.monotonic() - t0 < 2.0
+    b.sendall(struct.pack("<I", 1000))
+    with pytest.raises(frames.FrameTooLarge):
+        recv(a, limit=999)
+    b.sendall(struct.pack("<I", 10) + b"abc")
+    with pytest.raises(TimeoutError):  # the rest never comes: the deadline bounds the body too
+        recv(a, timeout_s=0.05)
+
+
+def test_a_frame_cut_off_by_eof(wait_mode, pair):
+    a, b = pair
+    b.sendall(struct.pack("<I", 10) + b"abc")
+    b.close()
+    with pytest.raises(ConnectionError):
+        recv(a)
+
+
+def test_a_socket_that_cannot_be_read_is_an_os_error(wait_mode):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # never connected: recv fails (ENOTCONN)
+    sock.setblocking(False)
+    try:
+        with pytest.raises(OSError):
+            recv(sock, timeout_s=0.2)
+    finally:
+        sock.close()
+
+
+def test_a_signal_during_the_wait_runs_its_handler(wait_mode, pair):
+    a, b = pair
+    seen = []
+
+    def handler(signum, frame):
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    timer = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGUSR1))
+    timer.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            recv(a, spin_s=0.0, timeout_s=10)
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, old)
+    assert seen == [signal.SIGUSR1] and time.monotonic() - t0 < 5
+
+
+def test_the_native_wait_is_proven_and_waits_without_the_interpreter_lock(pair):
+    """Native: while one thread waits (a hot spin, no yield), another Python thread runs freely."""
+    assert frame_wait.use(True), frame_wait.EXTENSION.probe()
+    a, b = pair
+    counted = [0]
+    stop = threading.Event()
+
+    def count():
+        while not stop.is_set():
+            counted[0] += 1
+
+    waiter = threading.Thread(target=lambda: counted.append(recv(a, spin_s=0.3, timeout_s=5)))
+    waiter.start()
+    worker = threading.Thread(target=count)
+    worker.start()
+    time.sleep(0.2)
+    before = counted[0]
+    time.sleep(0.05)
+    b.sendall(frames.encode_frame(b"x"))
+    waiter.join(5)
+    stop.set()
+    worker.join()
+    assert counted[-1] == b"x"
+    assert counted[0] > before

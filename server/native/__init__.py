@@ -1,1 +1,0 @@
-"""Native code the server builds on first use (compiled with the system's C compiler, cached)."""
