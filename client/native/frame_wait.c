@@ -21,7 +21,8 @@
  *   3 value = errno of a failed recv or poll
  *   4 the peer closed the connection inside a frame
  *   5 value = the announced length, longer than ``limit`` (the body is left unread)
- * A signal that interrupts the wait runs its Python handler; if the handler raises, so does this.
+ * A signal that interrupts the wait runs its Python handler (the lock taken for it), then the wait and
+ * the read go on where they were, as Python's own socket calls do; if the handler raises, so does this.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -65,17 +66,16 @@ static int wait_readable(int fd, double spin_s, int yield_cpu, double deadline) 
     }
 }
 
-/* Reads exactly n bytes into buf. FW_OK, FW_EOF (nothing read and allow_eof), FW_CUT, FW_TIMEOUT,
- * FW_ERRNO (*err set), FW_SIGNAL. */
-static int read_exact(int fd, char *buf, size_t n, double deadline, int allow_eof, int *err) {
-    size_t got = 0;
-    while (got < n) {
-        ssize_t r = recv(fd, buf + got, n - got, MSG_DONTWAIT);
+/* Reads into buf until *got == n (resumable: *got counts what earlier calls read). FW_OK, FW_EOF
+ * (nothing read and allow_eof), FW_CUT, FW_TIMEOUT, FW_ERRNO (*err set), FW_SIGNAL (call again). */
+static int read_exact(int fd, char *buf, size_t n, size_t *got, double deadline, int allow_eof, int *err) {
+    while (*got < n) {
+        ssize_t r = recv(fd, buf + *got, n - *got, MSG_DONTWAIT);
         if (r > 0) {
-            got += (size_t)r;
+            *got += (size_t)r;
             continue;
         }
-        if (r == 0) return (allow_eof && got == 0) ? FW_EOF : FW_CUT;
+        if (r == 0) return (allow_eof && *got == 0) ? FW_EOF : FW_CUT;
         if (errno == EINTR) return FW_SIGNAL;
         if (errno != EAGAIN && errno != EWOULDBLOCK) {
             *err = errno;
@@ -101,22 +101,24 @@ static PyObject *recv_frame(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "limit must not be negative");
         return NULL;
     }
-    int code = FW_OK, err = 0;
+    /* Where the read stands, kept across a signal's handler: 0 waiting, 1 the length, 2 the body. */
+    int stage = 0, code = FW_OK, err = 0;
+    unsigned char head[4];
+    size_t head_got = 0, body_got = 0;
     uint32_t size = 0;
     char *body = NULL;
-    int waited = 0;
     for (;;) {
         Py_BEGIN_ALLOW_THREADS
-        unsigned char head[4];
-        if (!waited) {
+        code = FW_OK;
+        if (stage == 0) {
             int w = wait_readable(fd, spin_s, yield_cpu, deadline);
             if (w == 0) code = FW_TIMEOUT;
             else if (w == -EINTR) code = FW_SIGNAL;
             else if (w < 0) code = FW_ERRNO, err = -w;
-            else waited = 1;
+            else stage = 1;
         }
-        if (waited && code == FW_OK) {
-            code = read_exact(fd, (char *)head, 4, deadline, 1, &err);
+        if (code == FW_OK && stage == 1) {
+            code = read_exact(fd, (char *)head, 4, &head_got, deadline, 1, &err);
             if (code == FW_OK) {
                 size = (uint32_t)head[0] | (uint32_t)head[1] << 8 | (uint32_t)head[2] << 16 |
                        (uint32_t)head[3] << 24;
@@ -125,21 +127,18 @@ static PyObject *recv_frame(PyObject *self, PyObject *args) {
                 } else if (size > 0) {
                     body = malloc(size);
                     if (body == NULL) code = FW_ERRNO, err = ENOMEM;
-                    else code = read_exact(fd, body, size, deadline, 0, &err);
+                    else stage = 2;
                 }
             }
         }
+        if (code == FW_OK && stage == 2) code = read_exact(fd, body, size, &body_got, deadline, 0, &err);
         Py_END_ALLOW_THREADS
         if (code != FW_SIGNAL) break;
-        /* A signal broke the wait: its handler runs now; a wait cut inside a frame cannot resume. */
-        free(body);
-        body = NULL;
-        if (PyErr_CheckSignals() < 0) return NULL;
-        if (waited) { /* part of a frame may be read: the stream is out of step */
-            code = FW_ERRNO, err = EINTR;
-            break;
+        /* A signal broke the wait: its Python handler runs now, then the read goes on where it was. */
+        if (PyErr_CheckSignals() < 0) {
+            free(body);
+            return NULL;
         }
-        code = FW_OK;
     }
     PyObject *value;
     switch (code) {

@@ -133,3 +133,25 @@ def test_the_native_wait_is_proven_and_waits_without_the_interpreter_lock(pair):
     worker.join()
     assert counted[-1] == b"x"
     assert counted[0] > before
+
+
+def test_a_signal_inside_a_frame_runs_its_handler_and_the_read_goes_on(wait_mode, pair):
+    a, b = pair
+    seen = []
+    old = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+
+    def send_in_parts():
+        b.sendall(struct.pack("<I", 6) + b"abc")
+        time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGUSR1)  # while the reader waits for the body's rest
+        time.sleep(0.1)
+        b.sendall(b"def")
+
+    sender = threading.Thread(target=send_in_parts)
+    sender.start()
+    try:
+        assert recv(a, spin_s=0.0, timeout_s=10) == b"abcdef"
+    finally:
+        sender.join()
+        signal.signal(signal.SIGUSR1, old)
+    assert seen == [signal.SIGUSR1]
