@@ -101,6 +101,9 @@ static PyObject *recv_frame(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "limit must not be negative");
         return NULL;
     }
+    /* A socket closed by another thread (its session ended) has fileno() -1, which poll() would skip
+     * until the deadline: report it as Python's recv on a closed socket does, at once. */
+    if (fd < 0) return Py_BuildValue("(ii)", FW_ERRNO, EBADF);
     /* Where the read stands, kept across a signal's handler: 0 waiting, 1 the length, 2 the body. */
     int stage = 0, code = FW_OK, err = 0;
     unsigned char head[4];

@@ -4,6 +4,7 @@ the same body, GOODBYE, EOF, cut frame, oversized frame, timeout and error for t
 from __future__ import annotations
 
 import os
+import select
 import signal
 import socket
 import struct
@@ -36,8 +37,8 @@ def pair():
 
 
 def recv(sock: socket.socket, limit: int = 1 << 20, spin_s: float = 0.001, timeout_s: float = 5.0):
-    poller = __import__("select").poll()
-    poller.register(sock, 1)
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
     return frame_wait.recv_frame(sock, poller, limit, spin_s, True, time.monotonic() + timeout_s)
 
 
@@ -155,3 +156,20 @@ def test_a_signal_inside_a_frame_runs_its_handler_and_the_read_goes_on(wait_mode
         sender.join()
         signal.signal(signal.SIGUSR1, old)
     assert seen == [signal.SIGUSR1]
+
+
+def test_a_socket_closed_by_another_thread_fails_at_once(wait_mode):
+    """A session that ends closes its connections from another thread; a wait that starts on one
+    after that must fail at once (EBADF), not sit until the deadline (fileno() is -1 then)."""
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    poller = select.poll()
+    poller.register(a, select.POLLIN)  # as FrameLink's connections are, when opened
+    a.close()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(OSError):
+            frame_wait.recv_frame(a, poller, 1 << 20, 0.001, True, time.monotonic() + 5)
+    finally:
+        b.close()
+    assert time.monotonic() - t0 < 1.0
