@@ -9,7 +9,6 @@ so that no client waits for a compiler: until then, or when the module cannot be
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
@@ -119,7 +118,7 @@ def recv_frame(sock, poller, limit: int, spin_s: float, yield_cpu: bool, deadlin
     if code == 2:
         raise TimeoutError("deadline passed")
     if code == 3:
-        raise OSError(value, os.strerror(value) if value != errno.EINTR else "interrupted inside a frame")
+        raise OSError(value, os.strerror(value))
     if code == 4:
         raise ConnectionError("the peer closed the connection inside a frame")
     if code == 5:
