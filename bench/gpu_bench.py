@@ -286,6 +286,12 @@ VARIANTS = {
     "si50": {"runtime": {"SWITCH_INTERVAL_S": 5e-5}},
     # The metrics feeder gets no lookups at all (each is dropped and counted): what feeding costs.
     "nofeed": {"registry": {"MAX_PENDING_LOOKUPS": 0}},
+    # The same server again under another name in the report (a second round of an A/B).
+    "r2": {},
+    # How a request is cut: the first chunk (copy_plan.pipeline_chunks; 8 MiB until 2026-12-06).
+    "ramp8": {"first_chunk_bytes": 8 << 20},
+    "ramp16": {"first_chunk_bytes": 16 << 20},
+    "ramp32": {"first_chunk_bytes": 32 << 20},
 }
 _SERVER_BOOT = (
     "import functools, json, logging, sys\n"
@@ -538,11 +544,31 @@ def run_anchor(args, out_dir: pathlib.Path) -> dict:
     return dict(rows=rows, server_ready_s=raw.get("server_ready_s"), raw=raw)
 
 
+def gpu_name() -> str:
+    """The GPU's name as nvidia-smi gives it (the plot's title says which card it was)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+        return out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return "GPU"
+
+
 def orchestrate(args) -> dict:
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="gpu-bench-"))
-    report: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "modes": {}}
+    report: dict = {
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "gpu": gpu_name(),
+        "args": vars(args),
+        "modes": {},
+    }
     for mode in args.modes.split(","):
         server = ServerProcess(
             args.pool_size,
@@ -703,7 +729,8 @@ def plot(report: dict, path: pathlib.Path) -> None:
         ax.axhline(0.93 * statistics.median(ceil), ls="--", lw=1, color="k", label="93% of the ceiling")
         ax.set_xticks(x, labels, fontsize=7)
         ax.set_title(
-            f"{direction}: 256 scattered blocks, end to end, H200 (GB/s; bars median, tick = slowest run)",
+            f"{direction}: 256 scattered blocks, end to end, {report.get('gpu', 'H200')} "
+            "(GB/s; bars median, tick = slowest run)",
             fontsize=10,
         )
         ax.set_ylabel("GB/s")

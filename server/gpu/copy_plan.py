@@ -249,12 +249,14 @@ def plan_staged(host_offsets: np.ndarray, block_bytes: int, slot_bytes: int) -> 
     )
 
 
-# A request's chunks (``pipeline_chunks``): the first is small so that the GPU starts at once; each
-# next one at most CHUNK_GROWTH times larger, so the engine work that precedes it (allocate or query:
-# a few microseconds per block) takes less time than the copy of the chunk before it, which moves a
-# block in 20-40 microseconds; the last ones shrink again so that what is left after the last byte
-# arrives (sealing that chunk, or releasing its lease) is small work.
-FIRST_CHUNK_BYTES = 8 << 20
+# A request's chunks (``pipeline_chunks``): the first is small so that the GPU starts soon; each
+# next one at most CHUNK_GROWTH times larger; the last ones shrink again so that what is left after
+# the last byte arrives (sealing that chunk, or releasing its lease) is small work. Every chunk costs
+# the request thread a fixed ~0.5 ms (its engine call 0.15-0.3 ms, planning and launch 0.3-0.5 ms;
+# measured on an H100 host, 2026-12-06, server/gpu/README.md), i.e. ~27 MB of link time, whatever
+# its size: a chunk must move at least that much or the link waits for the next one. From 8 MiB
+# (3, 6, 12 blocks of 2.25 MiB: the link idle ~0.35, 0.2 and 0.05 ms after each) to 32 MiB.
+FIRST_CHUNK_BYTES = 32 << 20
 LAST_CHUNK_BYTES = 16 << 20
 LARGEST_CHUNK_BYTES = 256 << 20
 CHUNK_GROWTH = 2

@@ -40,7 +40,14 @@ from collections.abc import Sequence
 from pegaflow.server.engine import AllocStatus, KVEngine, QueryPurpose
 from pegaflow.server.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
 from pegaflow.server.gpu import cuda_runtime
-from pegaflow.server.gpu.copy_plan import DEFAULT_MAX_PIECE_BYTES, BlockLayout, LayoutError, pipeline_chunks
+from pegaflow.server.gpu.copy_plan import (
+    DEFAULT_MAX_PIECE_BYTES,
+    FIRST_CHUNK_BYTES,
+    LAST_CHUNK_BYTES,
+    BlockLayout,
+    LayoutError,
+    pipeline_chunks,
+)
 from pegaflow.server.gpu.device_copier import (
     DEFAULT_SLOT_BYTES,
     DEFAULT_SLOTS,
@@ -75,6 +82,9 @@ class GpuOptions:
     slots: int = DEFAULT_SLOTS
     max_piece_bytes: int = DEFAULT_MAX_PIECE_BYTES
     staged_min_run_bytes: int = DEFAULT_STAGED_MIN_RUN_BYTES
+    # How a request is cut (copy_plan.pipeline_chunks): its first and last chunks.
+    first_chunk_bytes: int = FIRST_CHUNK_BYTES
+    last_chunk_bytes: int = LAST_CHUNK_BYTES
     kernel: KernelConfig = dataclasses.field(default_factory=KernelConfig)
     retire_timeout_s: float = 30.0
     # Enqueue copies through the driver holding the GIL (cuda_runtime.StreamCalls), else CuPy's calls.
@@ -267,7 +277,7 @@ class GpuDataPath:
         statuses: list[AllocStatus] = []
         inflight: collections.deque = collections.deque()  # (alloc, copy), in chain order
         written, mode = 0, ""
-        chunks = pipeline_chunks(len(hashes), reg.layout.block_bytes)
+        chunks = self._chunks(len(hashes), reg.layout.block_bytes)
         if trace is not None:
             trace.mark("planned")
         try:
@@ -384,7 +394,7 @@ class GpuDataPath:
         if trace is not None:
             trace.mark("planned")
         try:
-            for lo, hi in pipeline_chunks(len(hashes), bb):
+            for lo, hi in self._chunks(len(hashes), bb):
                 hit = engine.query_prefix(
                     self._session,
                     reg.instance_id,
@@ -465,6 +475,10 @@ class GpuDataPath:
                 self._refresh(instance_id, hashes[:hits])
         except Exception:
             log.exception("gpu: accounting a load of %d blocks failed", len(hashes))
+
+    def _chunks(self, n: int, block_bytes: int) -> list[tuple[int, int]]:
+        o = self.options
+        return pipeline_chunks(n, block_bytes, o.first_chunk_bytes, o.last_chunk_bytes)
 
     def _refresh(self, instance_id: str, hashes: Sequence[bytes]) -> None:
         """Restates the chain tail first, in segments: the engine lock is given up between them, so a

@@ -360,8 +360,11 @@ def test_pipeline_chunks_cover_the_request_ramp_up_and_end_small(n, block_bytes,
 
 
 def test_pipeline_chunks_of_the_benchmark_request():
-    """256 blocks of 2.25 MiB (Qwen3-8B): a 3-block start, doubling, then halving down to 7."""
+    """256 blocks of 2.25 MiB (Qwen3-8B): a 14-block (32 MiB) start, doubling, then halving down to 7;
+    with the 8 MiB start of before 2026-12-06: 3, 6, 12, ..."""
     sizes = [hi - lo for lo, hi in pipeline_chunks(256, 2359296)]
+    assert sizes == [14, 28, 56, 109, 28, 14, 7]
+    sizes = [hi - lo for lo, hi in pipeline_chunks(256, 2359296, 8 << 20)]
     assert sizes[:5] == [3, 6, 12, 24, 48] and sizes[-4:] == [56, 28, 14, 7] and sum(sizes) == 256
     assert pipeline_chunks(0, 4096) == []
     with pytest.raises(ValueError):
