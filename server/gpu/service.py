@@ -95,6 +95,8 @@ class GpuOptions:
     def __post_init__(self) -> None:
         if self.copy_mode not in MODES:
             raise ValueError(f"copy_mode must be one of {MODES}, got {self.copy_mode!r}")
+        if self.first_chunk_bytes <= 0 or self.last_chunk_bytes <= 0:
+            raise ValueError("first_chunk_bytes and last_chunk_bytes must be > 0")
 
 
 @dataclasses.dataclass(frozen=True)

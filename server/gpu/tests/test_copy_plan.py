@@ -369,3 +369,13 @@ def test_pipeline_chunks_of_the_benchmark_request():
     assert pipeline_chunks(0, 4096) == []
     with pytest.raises(ValueError):
         pipeline_chunks(4, 0)
+
+
+def test_gpu_options_start_requests_with_32_mib_and_refuse_empty_chunks():
+    """GpuOptions carries how a request is cut (bench variants ramp8/16/32 set it); 0 is refused."""
+    from pegaflow.server.gpu.service import GpuOptions
+
+    assert GpuOptions().first_chunk_bytes == FIRST_CHUNK_BYTES == 32 << 20
+    for bad in (dict(first_chunk_bytes=0), dict(last_chunk_bytes=-1)):
+        with pytest.raises(ValueError):
+            GpuOptions(**bad)
