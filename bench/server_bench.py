@@ -143,6 +143,8 @@ def throughput(
         last_allocs: list[list] = [[] for _ in range(inflight)]
         pipelined_blocks: list[int] = []  # blocks each pipelined save sealed (list.append: thread-safe)
         rpc_s: list[float] = []
+        first_rpc_s: list[float] = []  # a thread's first save of a round: after the references ran, cold
+        later_rpc_s: list[float] = []  # the saves after it in the round
         c.wait_pool_populated(120)
         # This VM (nested PVM, shadow page tables) charges a hypervisor exit for the first user-space
         # write to each page of a mapping, even after MADV_POPULATE_WRITE filled the guest page tables.
@@ -160,7 +162,7 @@ def throughput(
         evictions_before = c.stats().evictions
 
         def save(k: int, round_ids, summed: bool = False) -> None:
-            for r in round_ids:
+            for i, r in enumerate(round_ids):
                 hashes = [f"{k}-{r}-{'s' if summed else ''}{i}".encode() for i in range(batch_blocks)]
                 t0 = time.perf_counter()
                 batch = c.allocate(inst, hashes)
@@ -171,6 +173,7 @@ def throughput(
                 t2 = time.perf_counter()
                 c.seal(batch.save_id, checksums=sums)
                 rpc_s.append((t1 - t0) + (time.perf_counter() - t2))
+                (later_rpc_s if i else first_rpc_s).append(rpc_s[-1])
                 if not all(a.granted for a in batch.allocations):
                     raise RuntimeError("benchmark batch was not fully granted")
                 last[k], last_allocs[k] = hashes, batch.allocations
@@ -264,12 +267,16 @@ def throughput(
                 "load_checksummed_vs_memcpy",
             )
         }
-        save_rpc, load_rpc = [], []
+        save_rpc, load_rpc, save_rpc_first, save_rpc_later = [], [], [], []
         pipelined_share: list[float] = []
         for r in range(rounds):
             rpc_s.clear()
+            first_rpc_s.clear()
+            later_rpc_s.clear()
             t_save = run_threads(lambda k, r=r: save(k, [f"{r}.{i}" for i in range(PER_ROUND)]), inflight)
             save_rpc.extend(rpc_s)
+            save_rpc_first.extend(first_rpc_s)
+            save_rpc_later.extend(later_rpc_s)
             t_plain_a = run_threads(plain_write, inflight)
             t_pool_w = run_threads(pool_write, inflight)
             rpc_s.clear()
@@ -324,6 +331,10 @@ def throughput(
         "save_pipelined_granted_share_min": min(pipelined_share),
         "load_vs_memcpy_worst": min(rows["load_vs_memcpy"]),
         "save_rpc_ms_median": med(save_rpc) * 1e3,
+        # Allocate + seal of a thread's first batch in a round (the server idle for the references'
+        # milliseconds before it) and of the batches after it: what a wake-up after idle costs.
+        "save_rpc_ms_first_median": med(save_rpc_first) * 1e3,
+        "save_rpc_ms_later_median": med(save_rpc_later) * 1e3,
         "load_rpc_ms_median": med(load_rpc) * 1e3,
         "pool_filled_by": filled_by,
         "evictions_measured": stats.evictions - evictions_before,
@@ -763,7 +774,11 @@ def _row_line(row: dict) -> str:
         f"worst {row['save_pipelined_vs_memcpy_worst']:.0%})"
     )
     refs = f"memcpy {row['memcpy_gbps']:.1f} GB/s, pool memcpy {row['pool_memcpy_write_gbps']:.1f}"
-    rpc = f"rpc ms/batch {row['save_rpc_ms_median']:.2f}/{row['load_rpc_ms_median']:.2f}"
+    rpc = (
+        f"rpc ms/batch {row['save_rpc_ms_median']:.2f}/{row['load_rpc_ms_median']:.2f} "
+        f"(save: first of a round {row['save_rpc_ms_first_median']:.2f}, "
+        f"later {row['save_rpc_ms_later_median']:.2f})"
+    )
     summed = f"checksummed {row['save_checksummed_vs_memcpy']:.0%}/{row['load_checksummed_vs_memcpy']:.0%}"
     return f"{size}: {save}, {pipe}, {load}; {refs}; {rpc}; {summed}"
 
