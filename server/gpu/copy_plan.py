@@ -253,9 +253,11 @@ def plan_staged(host_offsets: np.ndarray, block_bytes: int, slot_bytes: int) -> 
 # next one at most CHUNK_GROWTH times larger; the last ones shrink again so that what is left after
 # the last byte arrives (sealing that chunk, or releasing its lease) is small work. Every chunk costs
 # the request thread a fixed ~0.5 ms (its engine call 0.15-0.3 ms, planning and launch 0.3-0.5 ms;
-# measured on an H100 host, 2026-12-06, server/gpu/README.md), i.e. ~27 MB of link time, whatever
-# its size: a chunk must move at least that much or the link waits for the next one. From 8 MiB
-# (3, 6, 12 blocks of 2.25 MiB: the link idle ~0.35, 0.2 and 0.05 ms after each) to 32 MiB.
+# measured on an H100 host, 2026-12-06, with the timing log on; ~0.3 ms without it by a GIL profile:
+# server/gpu/README.md), i.e. 15-27 MB of link time, whatever its size: a chunk must move at least
+# that much or the link waits for the next one. From 8 MiB to 32 MiB on 2026-12-06 (the first three
+# chunks had been 3, 6, 12 blocks of 2.25 MiB, each moved in 0.13-0.5 ms: less than the next one's
+# setup); measured gain: MLA +1-5 points, the 2.25 MiB layouts unchanged.
 FIRST_CHUNK_BYTES = 32 << 20
 LAST_CHUNK_BYTES = 16 << 20
 LARGEST_CHUNK_BYTES = 256 << 20
