@@ -8,8 +8,10 @@ block for one rank, laid out layer after layer in one contiguous pool location:
 
     pool[offset + layer * page_bytes : offset + (layer + 1) * page_bytes] == page of `layer`
 
-Copies are torch tensor copies (memcpy-speed, GIL released), one per run of blocks that
-are consecutive both in vLLM's cache and in the pool, per layer: never per byte.
+Copies are numpy copies of strided byte views (memcpy per page, GIL released), one per run
+of blocks that are consecutive both in vLLM's cache and in the pool, per layer: never per
+byte. Not torch's ``copy_`` of the same views: that ran ~30 % slower for a warm 10K-token
+load's pages (bench/page_copy_bench.py), CPU the load takes from the forward beside it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -101,7 +104,7 @@ class KvPages:
         self.layer_names = list(layer_names)
         self.layer_index = {name: i for i, name in enumerate(self.layer_names)}
         self.num_blocks = num_blocks
-        pages: list[torch.Tensor] = []
+        pages: list[np.ndarray] = []
         page_bytes = None
         for name in self.layer_names:
             t = kv_caches[name]
@@ -122,7 +125,7 @@ class KvPages:
             elif this_page != page_bytes:
                 raise LayoutMismatch(f"{name}: page of {this_page} B, other layers {page_bytes} B")
             # a byte view of the same memory: [block, page bytes]
-            pages.append(t.view(-1).view(torch.uint8).view(num_blocks, this_page))
+            pages.append(t.view(-1).view(torch.uint8).view(num_blocks, this_page).numpy())
         if page_bytes is None:
             raise LayoutMismatch("no KV tensors registered")
         self.pages = pages
@@ -130,15 +133,17 @@ class KvPages:
         self.num_layers = len(pages)
         self.block_bytes = page_bytes * self.num_layers
 
-    def _pool_pages(self, pool: torch.Tensor, run: Run, layer: int) -> torch.Tensor:
+    def _pool_pages(self, pool: np.ndarray, run: Run, layer: int) -> np.ndarray:
         """The `[count, page_bytes]` strided view of one layer's pages of a run in the pool."""
         end = run.offset + run.count * self.block_bytes
-        if run.offset < 0 or end > pool.numel():
-            raise ValueError(f"pool location [{run.offset}, {end}) outside the pool of {pool.numel()} B")
-        return pool.as_strided(
+        if run.offset < 0 or end > pool.size:
+            raise ValueError(f"pool location [{run.offset}, {end}) outside the pool of {pool.size} B")
+        # Inside [offset, end): the last page ends (count - 1) * block_bytes + (layer + 1) * page_bytes
+        # after offset, and (layer + 1) * page_bytes <= block_bytes.
+        return np.lib.stride_tricks.as_strided(
+            pool[run.offset + layer * self.page_bytes :],
             (run.count, self.page_bytes),
             (self.block_bytes, 1),
-            pool.storage_offset() + run.offset + layer * self.page_bytes,
         )
 
     def _check_blocks(self, run: Run) -> None:
@@ -147,26 +152,40 @@ class KvPages:
                 f"blocks [{run.block_id}, {run.block_id + run.count}) outside 0..{self.num_blocks}"
             )
 
-    def load_layer(self, pool: torch.Tensor, runs: Sequence[Run], layer: int) -> int:
-        """Copy one layer's pages of `runs` from the pool into vLLM's cache; returns bytes copied."""
+    def load_layer(self, pool: np.ndarray | torch.Tensor, runs: Sequence[Run], layer: int) -> int:
+        """Copy one layer's pages of `runs` from the pool (a flat byte array) into vLLM's cache;
+        returns bytes copied."""
+        pool = _bytes(pool)
         dst_layer = self.pages[layer]
         copied = 0
         for run in runs:
             self._check_blocks(run)
-            dst_layer[run.block_id : run.block_id + run.count].copy_(self._pool_pages(pool, run, layer))
+            np.copyto(dst_layer[run.block_id : run.block_id + run.count], self._pool_pages(pool, run, layer))
             copied += run.count * self.page_bytes
         return copied
 
-    def save_blocks(self, pool: torch.Tensor, runs: Sequence[Run]) -> int:
-        """Copy every layer's pages of `runs` from vLLM's cache into the pool; returns bytes copied."""
+    def save_blocks(self, pool: np.ndarray | torch.Tensor, runs: Sequence[Run]) -> int:
+        """Copy every layer's pages of `runs` from vLLM's cache into the pool (a flat byte array);
+        returns bytes copied."""
+        pool = _bytes(pool)
         copied = 0
         for run in runs:
             self._check_blocks(run)
+            lo, hi = run.block_id, run.block_id + run.count
             for layer, src_layer in enumerate(self.pages):
-                self._pool_pages(pool, run, layer).copy_(src_layer[run.block_id : run.block_id + run.count])
+                np.copyto(self._pool_pages(pool, run, layer), src_layer[lo:hi])
                 copied += run.count * self.page_bytes
         return copied
 
     def block_bytes_of(self, block_id: int) -> bytes:
         """One block as it is stored (all layers' pages in order): for checks and tests."""
-        return b"".join(bytes(p[block_id].numpy().tobytes()) for p in self.pages)
+        return b"".join(p[block_id].tobytes() for p in self.pages)
+
+
+def _bytes(pool: np.ndarray | torch.Tensor) -> np.ndarray:
+    """The pool as a flat uint8 numpy array (a CPU byte tensor is viewed, not copied)."""
+    if isinstance(pool, torch.Tensor):
+        pool = pool.numpy()
+    if pool.dtype != np.uint8 or pool.ndim != 1:
+        raise ValueError(f"the pool must be a flat byte array, got {pool.dtype} of shape {pool.shape}")
+    return pool

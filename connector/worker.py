@@ -38,7 +38,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch
+import numpy as np
 
 from pegaflow.connector import mla
 from pegaflow.connector.config import ConnectorConfig
@@ -568,7 +568,7 @@ class WorkerConnector:
 
         assert self.pages is not None and self.link is not None
         pages = self.pages
-        plans: list[tuple[torch.Tensor, list[Run]]] = []
+        plans: list[tuple[np.ndarray, list[Run]]] = []
         try:
             usable = self.link.usable()
             if usable is None:
@@ -591,7 +591,7 @@ class WorkerConnector:
                             f"server returned locations that are not {pages.block_bytes} B"
                         )
                     if locations:
-                        pool = self._pool_tensor(client, epoch)
+                        pool = self._pool_bytes(client, epoch)
                         runs = plan_runs(
                             transfer.block_ids[: len(locations)],
                             [loc.offset for loc in locations],
@@ -619,7 +619,7 @@ class WorkerConnector:
                 self._housekeeping.submit(self._release, leases, 0)
 
     def _copy_unit(self, job: _LoadJob, unit: CopyUnit) -> None:
-        """Copy one claimed unit (GIL released inside torch's copy)."""
+        """Copy one claimed unit (GIL released inside numpy's copy)."""
         assert self.pages is not None
         layer, pieces, nbytes = unit
         t0 = time.monotonic()
@@ -990,7 +990,7 @@ class WorkerConnector:
             if any(batch.allocations[k].length != block_bytes for k in granted):
                 raise errors.PegaflowError(f"granted locations are not {block_bytes} B")
             ids = job.block_ids[starts[i] : starts[i + 1]]
-            pool = self._pool_tensor(client, batch.epoch)
+            pool = self._pool_bytes(client, batch.epoch)
             runs = plan_runs(
                 [ids[k] for k in granted], [batch.allocations[k].offset for k in granted], block_bytes
             )
@@ -1064,11 +1064,11 @@ class WorkerConnector:
 
     # ------------------------------------------------------------- shared
     @staticmethod
-    def _pool_tensor(client: Any, epoch: str) -> torch.Tensor:
-        """The pool of `epoch` as one flat byte tensor (StaleEpoch for an old epoch). Made
+    def _pool_bytes(client: Any, epoch: str) -> np.ndarray:
+        """The pool of `epoch` as one flat byte array (StaleEpoch for an old epoch). Made
         per job and dropped with it: a live view would keep an old mapping (a whole pool
         of memory) from being unmapped after a server restart."""
-        return torch.from_numpy(client.pool_view(epoch))
+        return client.pool_view(epoch)
 
     def shutdown(self) -> None:
         self._finish_load()

@@ -160,3 +160,23 @@ def test_mla_shaped_pages():
     pool = torch.zeros(3 * p.block_bytes, dtype=torch.uint8)
     p.save_blocks(pool, [Run(4, p.block_bytes, 2)])
     assert pool[p.block_bytes : 2 * p.block_bytes].numpy().tobytes() == p.block_bytes_of(4)
+
+
+def test_a_numpy_pool_as_the_worker_passes_it_and_pools_that_are_not_flat_bytes_are_refused():
+    src = pages_of(cpu_attn_caches(seed=5))
+    bb = src.block_bytes
+    pool = np.zeros(4 * bb, dtype=np.uint8)  # what client.pool_view() hands the worker
+    assert src.save_blocks(pool, [Run(2, bb, 2)]) == 2 * bb
+    assert pool[bb : 2 * bb].tobytes() == src.block_bytes_of(2)
+    assert pool[2 * bb : 3 * bb].tobytes() == src.block_bytes_of(3)
+    assert not pool[:bb].any() and not pool[3 * bb :].any()
+    dst = pages_of(cpu_attn_caches(seed=None))
+    for layer in range(LAYERS):
+        assert dst.load_layer(pool, [Run(9, bb, 2)], layer) == 2 * src.page_bytes
+    assert dst.block_bytes_of(9) == src.block_bytes_of(2)
+    assert dst.block_bytes_of(10) == src.block_bytes_of(3)
+    for bad in (pool.view(np.uint16), pool.reshape(4, bb)):
+        with pytest.raises(ValueError, match="flat byte array"):
+            src.save_blocks(bad, [Run(0, 0, 1)])
+        with pytest.raises(ValueError, match="flat byte array"):
+            dst.load_layer(bad, [Run(0, 0, 1)], 0)
