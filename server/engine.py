@@ -774,10 +774,17 @@ class KVEngine:
         hashes: Sequence[bytes],
         deadline: float | None = None,
         save_id: str = "",
+        whole_write: bool = False,
     ) -> AllocateResult:
         """Per hash: GRANTED (+ location to write, then seal), EXISTS, IN_PROGRESS or NO_SPACE.
 
         ``save_id`` optionally names the save (client-chosen, so it can abort it after a timeout).
+        A granted slot that another namespace's block last held is zeroed before this returns (a
+        writer that seals without writing exposes zeros: review finding F2), unless ``whole_write``:
+        the caller overwrites every byte of each granted block before it seals it and aborts what it
+        could not write (the server's own GPU copy, whose layout covers the whole block), so the
+        memset is skipped; an aborted slot is then zeroed for whoever gets it next (BlockStore.abort).
+        Only server code can ask for it: no RPC carries it.
         """
         self._check_hashes(hashes)
         with self._locked(deadline):
@@ -807,7 +814,14 @@ class KVEngine:
                 )
                 room = int(min(max(room_bytes, 0) // block_bytes, len(hashes)))
             statuses, offsets, _ = self._store.reserve(
-                ns_index, block_bytes, hashes, save, deadline, room, self._tenant_unsealed(session)
+                ns_index,
+                block_bytes,
+                hashes,
+                save,
+                deadline,
+                room,
+                self._tenant_unsealed(session),
+                whole_write=whole_write,
             )
             local_offsets = [offset - part.base for offset in offsets]
             stale, save.stale_slots = save.stale_slots, []

@@ -24,6 +24,7 @@ class Save:
         "expires_at",
         "sealed_bytes",
         "stale_slots",
+        "unzeroed_slots",
     )
 
     def __init__(
@@ -48,3 +49,7 @@ class Save:
         self.sealed_bytes = 0
         # Granted slots that last held another namespace's block: zeroed before the answer goes out.
         self.stale_slots: list[int] = []
+        # Such slots granted unzeroed to a writer that overwrites every byte before it seals (the
+        # server's own GPU copy: engine.allocate_blocks(whole_write=True)). One aborted unsealed may
+        # hold part of the old bytes: the store marks it foreign to every namespace (BlockStore.abort).
+        self.unzeroed_slots: set[int] = set()

@@ -284,7 +284,13 @@ class GpuDataPath:
             trace.mark("planned")
         try:
             for lo, hi in chunks:
-                alloc = engine.allocate_blocks(self._session, reg.instance_id, hashes[lo:hi], deadline)
+                # whole_write: each granted block is overwritten whole by this chunk's copy (the
+                # registration's segments tile the block, checked below) or aborted, never sealed
+                # half-written; so slots another model's blocks last held skip their memset (~13 ms for
+                # 127 MLA blocks of 1.07 MiB on the H100 host, on this thread, before the copy starts).
+                alloc = engine.allocate_blocks(
+                    self._session, reg.instance_id, hashes[lo:hi], deadline, whole_write=True
+                )
                 statuses += alloc.statuses
                 if not alloc.save_id:
                     continue

@@ -60,6 +60,8 @@ log = logging.getLogger(__name__)
 # Victims asked of the policy at once (policy.next_victims): a save batch's worth, so that evicting
 # for 64 blocks takes the policy's lock twice, not 128 times.
 VICTIM_BATCH = 64
+# The owner of a slot whose bytes may be anyone's (_slot_owner): no namespace has this index.
+NO_NAMESPACE = -1
 
 
 @dataclasses.dataclass
@@ -169,12 +171,16 @@ class BlockStore:
         deadline: float | None,
         max_grant: int | None = None,
         cap_pending_bytes: int = 0,
+        whole_write: bool = False,
     ) -> tuple[list[AllocStatus], list[int], list[BlockEntry]]:
         """DRAM slots for the hashes not stored yet, at most ``max_grant`` of them and as many as the
         tenant's DRAM cap lets in (the rest REJECTED: quotas; ``cap_pending_bytes``: the tenant's
         blocks granted and not sealed yet, see ``cap_room``). Returns (status per hash, offsets of the
         granted ones, the chain's stored entries). Granted entries are WRITING and listed in
-        save.pending."""
+        save.pending. A granted slot that another namespace's block last held is listed in
+        save.stale_slots (to be zeroed before the writer gets it), or, with ``whole_write`` (the
+        writer overwrites every byte before it seals, and aborts what it could not write), in
+        save.unzeroed_slots."""
         statuses: list[AllocStatus] = []
         new_hashes: list[bytes] = []
         new_positions: list[int] = []
@@ -203,7 +209,9 @@ class BlockStore:
             statuses[position] = AllocStatus.REJECTED
             del save.pending[block_hash]
         del new_positions[capped:], new_hashes[capped:]
-        offsets = self._allocate_slots(block_bytes, len(new_hashes), deadline, keep=stored, ns_index=ns_index)
+        offsets = self._allocate_slots(
+            block_bytes, len(new_hashes), deadline, keep=stored, ns_index=ns_index, zero_ahead=not whole_write
+        )
         for position, block_hash in zip(
             new_positions[len(offsets) :], new_hashes[len(offsets) :], strict=True
         ):
@@ -216,7 +224,10 @@ class BlockStore:
             entry.held = True  # the allocation held its slab
             save.pending[block_hash] = entry
             if self._claim_slot(offset, ns_index):
-                save.stale_slots.append(offset)
+                if whole_write:
+                    save.unzeroed_slots.add(offset)
+                else:
+                    save.stale_slots.append(offset)
         return statuses, offsets, stored
 
     def _slot_is_foreign(self, offset: int, ns_index: int) -> bool:
@@ -271,9 +282,14 @@ class BlockStore:
     def abort(self, save) -> int:
         """Frees a save's unsealed blocks (they never become visible). Returns how many."""
         freed = 0
+        unzeroed = save.unzeroed_slots
         for entry in save.pending.values():
             if entry is None:
                 continue
+            if entry.dram in unzeroed:
+                # Granted unzeroed and never sealed: part of the old namespace's bytes may be left.
+                # Foreign to every namespace now, so whoever is granted it next gets it zeroed.
+                self._slot_owner[entry.dram] = (NO_NAMESPACE, self.allocator.assignment(entry.dram))
             self.index.remove(entry)
             if entry.held:
                 self.allocator.unhold(entry.dram)
@@ -281,6 +297,7 @@ class BlockStore:
             self._note_freed(entry.dram, entry.length)
             freed += 1
         save.pending.clear()
+        unzeroed.clear()
         self.counters.aborted_blocks += freed
         return freed
 
@@ -591,19 +608,22 @@ class BlockStore:
         deadline: float | None,
         keep: Sequence[BlockEntry] = (),
         ns_index: int | None = None,
+        zero_ahead: bool = True,
     ) -> list[int]:
         """Up to ``count`` held DRAM slots for blocks of this size (of namespace ``ns_index``: in its
         tenant's region when it has one), evicting as the policy says when the pool (or that region) is
         full (never a block of ``keep``); fewer only when nothing evictable is left or the deadline
         passed. Offsets ascend when the call evicted, so a batch that replaces an evicted batch stays
-        contiguous.
+        contiguous. ``zero_ahead=False``: these slots need no zeroing (a whole_write save), so the
+        allocation does not count as ``ns_index``'s toward the reserve zeroing slots ahead for it.
         """
         allocator = self.allocator
         part, tenant = self._part_of(ns_index)
         offsets = allocator.allocate_many(block_bytes, count, hold=True, part=part)
         need = count - len(offsets)
         if self.free_reserve.bytes:
-            self.free_reserve.used(block_bytes, part, tenant, need > 0, -1 if ns_index is None else ns_index)
+            saver = NO_NAMESPACE if ns_index is None or not zero_ahead else ns_index
+            self.free_reserve.used(block_bytes, part, tenant, need > 0, saver)
         if need:
             self._evict_for(block_bytes, need, part, tenant, keep, deadline)
             offsets += allocator.allocate_many(block_bytes, need, hold=True, part=part)

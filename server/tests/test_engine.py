@@ -602,6 +602,50 @@ def test_a_slot_another_namespace_held_is_zeroed_before_it_is_granted():
         eng.close()
 
 
+def test_a_whole_write_grant_skips_the_memset_and_an_aborted_one_is_zeroed_for_whoever_comes_next():
+    """The server's GPU copy overwrites every byte of a granted block before it seals (whole_write):
+    a slot another namespace held is granted as it is (no memset on the copy's path). Sealed after
+    the overwrite, it is the new namespace's; aborted (a copy that failed part-way may leave old
+    bytes), it is foreign to every namespace, the old owner's included, and zeroed before its next
+    grant."""
+    eng = KVEngine(ServerConfig(pool_size_bytes=8 * MIB, http_addr=None, slab_bytes=4 * MIB))
+    try:
+        sid = eng.open_session("t").session_id
+        victim = eng.register_instance(sid, layout(model_id="victim")).instance_id
+        gpu = eng.register_instance(sid, layout(model_id="gpu")).instance_id
+        capacity = eng.allocator.total_slabs * (eng.allocator.slab_bytes // BLOCK)
+        secret = hashes(capacity, "secret")
+        for lo in range(0, capacity, 8):  # a session holds at most half the pool unsealed at once
+            assert save(eng, sid, victim, secret[lo : lo + 8], fill=0xAB) == [AllocStatus.GRANTED] * 8
+        view = eng.pool_view()
+        res = eng.allocate_blocks(sid, gpu, hashes(8, "copied"), whole_write=True)  # evicts the victim's
+        assert res.statuses == [AllocStatus.GRANTED] * 8
+        assert all((view[loc.offset : loc.offset + loc.length] == 0xAB).all() for loc in res.locations)
+        for loc in res.locations:  # the copy: every byte
+            view[loc.offset : loc.offset + loc.length] = 0x11
+        eng.seal_blocks(sid, res.save_id)
+        assert eng.query_prefix(sid, gpu, hashes(8, "copied")).num_hits == 8
+
+        aborted = eng.allocate_blocks(sid, gpu, hashes(8, "failed"), whole_write=True)
+        slots = {loc.offset for loc in aborted.locations}
+        assert all((view[o : o + BLOCK] == 0xAB).all() for o in slots)  # the victim's, unzeroed
+        for o in slots:  # a copy that failed half-way: the first half written
+            view[o : o + BLOCK // 2] = 0x22
+        eng.abort_blocks(sid, aborted.save_id)
+        for owner in (gpu, victim):  # nobody gets those bytes back, not even the namespaces they held
+            again = eng.allocate_blocks(sid, owner, hashes(16, f"lazy-{owner}"))
+            for loc in again.locations:
+                if loc is not None and loc.offset in slots:
+                    assert not view[loc.offset : loc.offset + loc.length].any()
+            assert slots & {loc.offset for loc in again.locations if loc is not None}
+            eng.abort_blocks(sid, again.save_id)
+            slots = {loc.offset for loc in again.locations if loc is not None} & slots
+            for o in slots:  # back to "foreign to all" for the second owner's turn
+                view[o : o + BLOCK] = 0x33
+    finally:
+        eng.close()
+
+
 def test_a_slot_of_a_slab_re_cut_for_another_size_is_zeroed_before_it_is_granted():
     """Review finding F2 across a slab move: the new slots (768 KiB) straddle the old ones (1 MiB), so no
     old slot's owner names them; they are zeroed all the same, not handed out with the old bytes."""

@@ -103,6 +103,44 @@ def test_save_seals_exact_bytes_dedups_and_loads_back(worker, stack, name):
     engine.close_session(session)
 
 
+def test_a_save_into_slots_another_model_held_seals_exactly_the_gpu_bytes(worker):
+    """The GPU copy overwrites every byte of each block it is granted (engine.allocate_blocks
+    whole_write=True): slots another namespace's blocks last held are not zeroed first, and what
+    is sealed is exactly the worker's bytes, none of the old ones."""
+    engine = KVEngine(ServerConfig(pool_size_bytes=64 << 20, http_addr=None, free_reserve_bytes=0))
+    gpu = GpuDataPath(engine, GpuOptions(copy_mode="auto", slot_bytes=1 << 20, slots=2))
+    try:
+        session = engine.open_session("worker").session_id
+        reg = worker.regs["kv_first"]
+        bb = reg.validate()
+        other = engine.register_instance(
+            session, KvLayout(model_id="other", block_bytes=bb, dtype="bf16", layout="gpu")
+        ).instance_id
+        pool = engine.pool_view()
+        for i in range((64 << 20) // bb):  # the whole pool: the other model's blocks, all 0xAB
+            res = engine.allocate_blocks(session, other, [f"old-{i}".encode()])
+            for loc in res.locations:
+                if loc is not None:
+                    pool[loc.offset : loc.offset + loc.length] = 0xAB
+            if res.save_id:
+                engine.seal_blocks(session, res.save_id)
+        inst = _instance(engine, session, reg)
+        rid = gpu.register(session, inst, reg)
+        hashes, ids = _hashes("over-old", 10), [3, 8, 13, 21, 34, 55, 1, 2, 5, 44]
+        evicted = engine.stats().evictions
+        out = gpu.save(session, rid, hashes, ids, _deadline())
+        assert out.written == 10 and engine.stats().evictions > evicted
+        hit = engine.query_prefix(session, inst, hashes)
+        assert hit.num_hits == 10
+        got = b"".join(pool[o : o + bb].tobytes() for o in hit.offsets)
+        assert got == worker.ask("blocks", "kv_first", ids)
+        gpu.unregister(session, rid)
+        engine.close_session(session)
+    finally:
+        gpu.close()
+        engine.close()
+
+
 def test_mla_ranks_share_one_stored_copy(worker, stack):
     engine, gpu = stack
     reg = worker.regs["mla"]

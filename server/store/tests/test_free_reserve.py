@@ -220,6 +220,49 @@ def test_slots_another_namespace_held_are_zeroed_ahead_so_the_save_that_gets_the
         eng.close()
 
 
+def test_whole_write_saves_zero_nothing_on_their_path_and_get_nothing_zeroed_ahead():
+    """A GPU save (whole_write: its copy overwrites every byte) needs no zeroed slots: none are zeroed
+    for it, on its path or by the reserve thread ahead of it, however long its streak of saves."""
+    eng, sid, iid = make(RESERVE)
+    try:
+        other = eng.register_instance(
+            sid, KvLayout(model_id="other", block_bytes=BLOCK, dtype="bf16")
+        ).instance_id
+        view = eng.pool_view()
+        for lo in range(0, 256, 64):  # the pool full of the other namespace's bytes (0xAB)
+            res = eng.allocate_blocks(sid, other, hashes(256, "x")[lo : lo + 64])
+            for loc in res.locations:
+                view[loc.offset : loc.offset + loc.length] = 0xAB
+            eng.seal_blocks(sid, res.save_id)
+        zeroed: list = []
+        zero = eng.dram.zero
+
+        def recording_zero(slots):
+            zeroed.extend(slots)
+            zero(slots)
+
+        eng.dram.zero = recording_zero
+        for n in range(SOLE_SAVER_STREAK + 2):
+            res = eng.allocate_blocks(sid, iid, hashes(8, f"g{n}"), whole_write=True)
+            assert res.statuses == [AllocStatus.GRANTED] * 8
+            for loc in res.locations:  # the copy
+                view[loc.offset : loc.offset + loc.length] = n + 1
+            eng.seal_blocks(sid, res.save_id)
+            time.sleep(0.02)  # the reserve thread's turn
+        wait_reserve_evictions(eng, 8)
+        time.sleep(0.1)
+        assert eng._store.free_reserve.sole_saver(BLOCK, 0) == -1
+        assert zeroed == [] and eng.stats().reserve_zeroed_blocks == 0
+        # A plain save of the same namespace after them still gets its foreign slots zeroed.
+        res = eng.allocate_blocks(sid, iid, hashes(8, "plain"))
+        assert len(zeroed) == 8
+        for loc in res.locations:
+            assert not view[loc.offset : loc.offset + loc.length].any()
+        eng.seal_blocks(sid, res.save_id)
+    finally:
+        eng.close()
+
+
 def test_a_reserve_found_clean_is_not_taken_out_again_until_another_namespaces_slot_is_freed():
     eng, sid, iid = make(RESERVE)
     try:
