@@ -581,16 +581,25 @@ def test_one_session_cannot_pin_or_reserve_the_whole_pool(engine):
     assert engine.query_prefix(hog, hog_iid, hashes(4, "stored"), lease=True).num_hits == 4
 
 
+def engine_full_of_victim_bytes(model_id: str) -> tuple[KVEngine, str, str, str]:
+    """An 8 MiB pool full of namespace "victim"'s blocks, every byte 0xAB: (engine, session, the
+    victim's instance, an instance of ``model_id``)."""
+    eng = KVEngine(ServerConfig(pool_size_bytes=8 * MIB, http_addr=None, slab_bytes=4 * MIB))
+    sid = eng.open_session("t").session_id
+    victim = eng.register_instance(sid, layout(model_id="victim")).instance_id
+    other = eng.register_instance(sid, layout(model_id=model_id)).instance_id
+    capacity = eng.allocator.total_slabs * (eng.allocator.slab_bytes // BLOCK)
+    secret = hashes(capacity, "secret")
+    for lo in range(0, capacity, 8):  # a session holds at most half the pool unsealed at once
+        assert save(eng, sid, victim, secret[lo : lo + 8], fill=0xAB) == [AllocStatus.GRANTED] * 8
+    return eng, sid, victim, other
+
+
 def test_a_slot_another_namespace_held_is_zeroed_before_it_is_granted():
     """Review finding F2: a writer that seals without writing must never expose another namespace's
     old bytes; its own namespace's slots are reused as they are (no cost in the common case)."""
-    eng = KVEngine(ServerConfig(pool_size_bytes=8 * MIB, http_addr=None, slab_bytes=4 * MIB))
+    eng, sid, victim, other = engine_full_of_victim_bytes("other")
     try:
-        sid = eng.open_session("t").session_id
-        victim = eng.register_instance(sid, layout(model_id="victim")).instance_id
-        other = eng.register_instance(sid, layout(model_id="other")).instance_id
-        capacity = eng.allocator.total_slabs * (eng.allocator.slab_bytes // BLOCK)
-        save(eng, sid, victim, hashes(capacity, "secret"), fill=0xAB)
         res = eng.allocate_blocks(sid, other, hashes(8, "lazy"))  # evicts the victim's blocks
         view = eng.pool_view()
         for loc in res.locations:
@@ -608,15 +617,8 @@ def test_a_whole_write_grant_skips_the_memset_and_an_aborted_one_is_zeroed_for_w
     the overwrite, it is the new namespace's; aborted (a copy that failed part-way may leave old
     bytes), it is foreign to every namespace, the old owner's included, and zeroed before its next
     grant."""
-    eng = KVEngine(ServerConfig(pool_size_bytes=8 * MIB, http_addr=None, slab_bytes=4 * MIB))
+    eng, sid, victim, gpu = engine_full_of_victim_bytes("gpu")
     try:
-        sid = eng.open_session("t").session_id
-        victim = eng.register_instance(sid, layout(model_id="victim")).instance_id
-        gpu = eng.register_instance(sid, layout(model_id="gpu")).instance_id
-        capacity = eng.allocator.total_slabs * (eng.allocator.slab_bytes // BLOCK)
-        secret = hashes(capacity, "secret")
-        for lo in range(0, capacity, 8):  # a session holds at most half the pool unsealed at once
-            assert save(eng, sid, victim, secret[lo : lo + 8], fill=0xAB) == [AllocStatus.GRANTED] * 8
         view = eng.pool_view()
         res = eng.allocate_blocks(sid, gpu, hashes(8, "copied"), whole_write=True)  # evicts the victim's
         assert res.statuses == [AllocStatus.GRANTED] * 8

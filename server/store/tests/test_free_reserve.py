@@ -52,6 +52,19 @@ def save(eng: KVEngine, sid: str, iid: str, hs: list[bytes]) -> list[AllocStatus
     return statuses
 
 
+def fill_with_other_namespace(eng: KVEngine, sid: str):
+    """Fills the pool with namespace "other"'s blocks, every byte 0xAB; returns the pool's view."""
+    other_layout = KvLayout(model_id="other", block_bytes=BLOCK, dtype="bf16")
+    other = eng.register_instance(sid, other_layout).instance_id
+    view = eng.pool_view()
+    for lo in range(0, 256, 64):
+        res = eng.allocate_blocks(sid, other, hashes(256, "x")[lo : lo + 64])
+        for loc in res.locations:
+            view[loc.offset : loc.offset + loc.length] = 0xAB
+        eng.seal_blocks(sid, res.save_id)
+    return view
+
+
 def wait_reserve_evictions(eng: KVEngine, count: int, timeout_s: float = 5.0) -> int:
     until = time.monotonic() + timeout_s
     while (got := eng.stats().reserve_evictions) < count and time.monotonic() < until:
@@ -181,15 +194,7 @@ def test_the_cli_default_is_a_64th_of_the_pool_at_most_512mb_and_bad_sizes_are_r
 def test_slots_another_namespace_held_are_zeroed_ahead_so_the_save_that_gets_them_zeroes_nothing():
     eng, sid, iid = make(RESERVE)
     try:
-        other = eng.register_instance(
-            sid, KvLayout(model_id="other", block_bytes=BLOCK, dtype="bf16")
-        ).instance_id
-        view = eng.pool_view()
-        for lo in range(0, 256, 64):  # the pool full of the other namespace's bytes (0xAB)
-            res = eng.allocate_blocks(sid, other, hashes(256, "x")[lo : lo + 64])
-            for loc in res.locations:
-                view[loc.offset : loc.offset + loc.length] = 0xAB
-            eng.seal_blocks(sid, res.save_id)
+        view = fill_with_other_namespace(eng, sid)
         on_request_thread: list = []  # slots zeroed by the calls of this (the request) thread
         zero, me = eng.dram.zero, threading.current_thread()
 
@@ -225,15 +230,7 @@ def test_whole_write_saves_zero_nothing_on_their_path_and_get_nothing_zeroed_ahe
     for it, on its path or by the reserve thread ahead of it, however long its streak of saves."""
     eng, sid, iid = make(RESERVE)
     try:
-        other = eng.register_instance(
-            sid, KvLayout(model_id="other", block_bytes=BLOCK, dtype="bf16")
-        ).instance_id
-        view = eng.pool_view()
-        for lo in range(0, 256, 64):  # the pool full of the other namespace's bytes (0xAB)
-            res = eng.allocate_blocks(sid, other, hashes(256, "x")[lo : lo + 64])
-            for loc in res.locations:
-                view[loc.offset : loc.offset + loc.length] = 0xAB
-            eng.seal_blocks(sid, res.save_id)
+        view = fill_with_other_namespace(eng, sid)
         zeroed: list = []
         zero = eng.dram.zero
 
