@@ -27,7 +27,13 @@ and as a share of the same-run ceiling. With ``--server-timing`` the server logs
 save / load (server/gpu/service.py ``_Trace``: each chunk's engine work, launch, GPU time by events
 and completion); they are collected into the report (``server_ops``) so a slow run can be read
 off its chunks. MLA ranks all set up (KV allocated, registered) before rank 0's first timed run,
-then take turns: no rank's start-up competes with another's copies.
+then take turns: no rank's start-up competes with another's copies, nor (by default) the previous
+rank's exit: the emulated ranks share one GPU, and ~0.5 s after a rank's turn ended (its process
+exiting: its CUDA context torn down on that GPU, the server dropping its IPC mappings; which of the
+two was not separated) the next rank's load in progress ran at 25-40 GB/s (one load in ten or
+twenty; none with the wait, bench/results/gpu_bench_2026-12-06_h100_turns_*.json). On a real host
+each TP rank has a GPU of its own. Each load's start is recorded (``load_at_s``, seconds into the
+rank's turn) so a slow run can be placed in time.
 
 With ``--anchor-site DIR`` (PegaFlow's install, ``pip install --target DIR pegaflow-llm-cu13``) the
 anchor is measured in the same run, after ours, by bench/pegaflow_anchor.py (its own process: both
@@ -149,11 +155,16 @@ def worker_main(spec: dict) -> None:
                 _wait_for(path)
         if spec.get("wait_for"):  # ranks take turns: each measures the link alone
             _wait_for(spec["wait_for"])
+        if spec.get("wait_exit"):  # --turn-after-exit: and after the previous rank's process is gone
+            _wait_for(spec["wait_exit"])
+            time.sleep(spec.get("turn_gap_s", 0.0))
+        turn_t0 = time.perf_counter()
         result["rpc_baseline_ms"] = rpc_baseline(client, inst, blocks)
         nbytes = blocks * shape.block_bytes
         result["ceiling"] = pinned_ceiling(torch, nbytes)
         rng = np.random.default_rng(spec["seed"])
         saves, saves_rpc, loads, verified = [], [], [], []
+        load_at: list[float] = []  # each load's start, seconds into this rank's turn (run 0 included)
         calls: list = []  # (op, perf_counter before, after): matched with the server's timing lines
         for run in range(runs + 1):  # run 0 warms up and is not timed
             perm = rng.permutation(nb)
@@ -188,6 +199,7 @@ def worker_main(spec: dict) -> None:
             n = client.load_to_device(handle, hashes, targets)
             t4 = time.perf_counter()
             calls.append(("load", t3, t4))
+            load_at.append(round(t3 - turn_t0, 4))
             if n != blocks:
                 raise RuntimeError(f"run {run}: loaded {n} of {blocks}")
             ok = bool(torch.equal(gather_blocks(shape, tensors, targets), gather_blocks(shape, tensors, ids)))
@@ -201,6 +213,7 @@ def worker_main(spec: dict) -> None:
             save_rpc_s=saves_rpc,
             load_s=loads,
             load_verified=all(verified) and len(verified) == runs,
+            load_at_s=load_at,
             stats=_stats(client),
             calls=calls,
         )
@@ -366,10 +379,19 @@ def run_workers(specs: list[dict], timeout_s: float) -> list[dict]:
                 )
             )
         deadline = time.monotonic() + timeout_s
-        for p in procs:
-            rc = p.wait(timeout=max(deadline - time.monotonic(), 1))
-            if rc:
-                raise RuntimeError(f"a worker failed with rc {rc}")
+        waiting = dict(zip(procs, specs, strict=True))
+        while waiting:  # each exit announced (``<result>.exited``): --turn-after-exit waits for it
+            for p, spec in list(waiting.items()):
+                rc = p.poll()
+                if rc is None:
+                    continue
+                if rc:
+                    raise RuntimeError(f"a worker failed with rc {rc}")
+                pathlib.Path(spec["result"] + ".exited").write_text("exited")
+                del waiting[p]
+            if time.monotonic() > deadline:
+                raise TimeoutError("workers did not finish in time")
+            time.sleep(0.005)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -619,6 +641,10 @@ def orchestrate(args) -> dict:
                     model_id="deepseek-v3",
                     hash_prefix=f"{mode}-mla",
                     wait_for=turns[r - 1] if r else "",
+                    wait_exit=(str(tmp / f"{mode}-mla-{r - 1}.json") + ".exited")
+                    if r and args.turn_after_exit
+                    else "",
+                    turn_gap_s=args.turn_gap,
                     done_file=turns[r],
                     ready_file=readies[r],
                     ready_files=readies,
@@ -760,6 +786,15 @@ def main() -> None:
     ap.add_argument(
         "--server-switch-interval", type=float, default=0.0, help="sys.setswitchinterval in the server"
     )
+    ap.add_argument(
+        "--turn-after-exit",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="an MLA rank starts its turn only once the previous rank's process has exited (its CUDA "
+        "context torn down on the same GPU, its session closed), then --turn-gap seconds later; "
+        "--no-turn-after-exit starts it at the previous rank's last load, as before 2026-12-06",
+    )
+    ap.add_argument("--turn-gap", type=float, default=0.5, help="with --turn-after-exit, seconds to wait")
     ap.add_argument("--anchor-site", default="", help="PegaFlow's install: measure the anchor in this run")
     ap.add_argument("--plot", metavar="JSON", help="only draw gpu_bench.png from a results file")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
