@@ -50,6 +50,7 @@ class Save:
         # Granted slots that last held another namespace's block: zeroed before the answer goes out.
         self.stale_slots: list[int] = []
         # Such slots granted unzeroed to a writer that overwrites every byte before it seals (the
-        # server's own GPU copy: engine.allocate_blocks(whole_write=True)). One aborted unsealed may
-        # hold part of the old bytes: the store marks it foreign to every namespace (BlockStore.abort).
+        # server's own GPU copy: engine.allocate_blocks(whole_write=True)). One aborted before its seal
+        # may still hold part of the old bytes: the store marks it foreign to every namespace
+        # (BlockStore.abort), so its next grant zeroes it.
         self.unzeroed_slots: set[int] = set()
