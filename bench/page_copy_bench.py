@@ -1,4 +1,5 @@
-"""The connector's host page copies: numpy (as shipped) against torch's ``copy_``, same run.
+"""The connector's host page copies: native streaming copies (as shipped) against numpy's copyto
+and torch's ``copy_``, same run.
 
     .venv/bin/python bench/page_copy_bench.py [--rounds 40] [--out bench/results/page_copy.json]
 
@@ -10,10 +11,12 @@ worker's copy units); saves copy every layer of each run (``KvPages.save_blocks`
 uses other pool slots and other vLLM blocks than the round before (1 GiB of pool, 2,000 blocks a
 layer), so each copy starts cache-cold, as a request's does.
 
-The reference is the same copies through torch's ``Tensor.copy_`` of the same strided views (what
-the connector did before), timed in alternating order in the same process and the same round;
-both single-threaded, as the worker's transfer thread is. Per direction: GB/s median and worst
-round of each, and numpy / torch per round (median and worst). A plot beside the JSON.
+Three ways, timed in rotating order in the same process and the same round, single-threaded as
+the worker's transfer thread is: ``native`` (as shipped: connector/native/page_copy.c, streaming
+stores, the interpreter lock released), ``numpy`` (the same KvPages calls with the native copy
+off: numpy's copyto, i.e. memcpy per page; shipped until 2026-12-06) and ``torch`` (``Tensor.copy_``
+of the same strided views; before that). Per direction: GB/s median and worst round of each, and
+native / numpy and numpy / torch per round (median and worst). A plot beside the JSON.
 A command, not a test: the numbers depend on the machine.
 """
 
@@ -32,6 +35,7 @@ import numpy as np
 import torch
 
 from pegaflow.connector.kv_pages import KvPages, Run
+from pegaflow.connector.native import page_copy
 
 LAYERS, PAGE_BYTES, BLOCKS = 4, 256 << 10, 78
 VLLM_BLOCKS = 2000
@@ -53,6 +57,16 @@ def torch_save(pages: list[torch.Tensor], pool: torch.Tensor, run: Run) -> None:
         view.copy_(src[run.block_id : run.block_id + run.count])
 
 
+def kv_pages_with(native: bool, copy):
+    """``copy`` through KvPages with the native page copy on or off (process-wide, set before timing)."""
+
+    def switch() -> None:
+        if not page_copy.use(native) and native:
+            raise RuntimeError(f"the native page copy is unavailable: {page_copy.EXTENSION.probe()}")
+
+    return switch, copy
+
+
 def run(rounds: int) -> dict:
     torch.set_num_threads(1)
     fd = os.memfd_create("page-copy-bench")
@@ -71,38 +85,56 @@ def run(rounds: int) -> dict:
     block_bytes = PAGE_BYTES * LAYERS
     slots = POOL_BYTES // (BLOCKS * block_bytes)
     nbytes = BLOCKS * block_bytes
+
+    def load(r):
+        return [kv.load_layer(pool_np, [r], layer) for layer in range(LAYERS)]
+
+    def save(r):
+        return kv.save_blocks(pool_np, [r])
+
+    def as_is(fn):
+        return (lambda: None), fn
+
     ways = {
         "load": {
-            "numpy": lambda r: [kv.load_layer(pool_np, [r], layer) for layer in range(LAYERS)],
-            "torch": lambda r: [torch_load(byte_pages, pool_t, r, layer) for layer in range(LAYERS)],
+            "native": kv_pages_with(True, load),
+            "numpy": kv_pages_with(False, load),
+            "torch": as_is(lambda r: [torch_load(byte_pages, pool_t, r, layer) for layer in range(LAYERS)]),
         },
         "save": {
-            "numpy": lambda r: kv.save_blocks(pool_np, [r]),
-            "torch": lambda r: torch_save(byte_pages, pool_t, r),
+            "native": kv_pages_with(True, save),
+            "numpy": kv_pages_with(False, save),
+            "torch": as_is(lambda r: torch_save(byte_pages, pool_t, r)),
         },
     }
     seconds: dict = {d: {w: [] for w in ways[d]} for d in ways}
     k = 0
     for i in range(rounds + 2):  # the first two rounds warm the code paths and are dropped
         for direction, fns in ways.items():
-            order = list(fns) if i % 2 == 0 else list(fns)[::-1]
+            names = list(fns)
+            order = names[i % len(names) :] + names[: i % len(names)]
             for way in order:
                 k += 1
                 place = Run((k * 80) % (VLLM_BLOCKS - BLOCKS), (k % slots) * nbytes, BLOCKS)
+                switch, copy = fns[way]
+                switch()
                 t0 = time.perf_counter()
-                fns[way](place)
+                copy(place)
                 dt = time.perf_counter() - t0
                 if i >= 2:
                     seconds[direction][way].append(dt)
     out: dict = {}
     for direction, per_way in seconds.items():
         gbps = {w: [nbytes / s / 1e9 for s in ts] for w, ts in per_way.items()}
-        ratio = [a / b for a, b in zip(gbps["numpy"], gbps["torch"], strict=True)]
+        ratios = {}
+        for a, b in (("native", "numpy"), ("numpy", "torch")):
+            per_round = [x / y for x, y in zip(gbps[a], gbps[b], strict=True)]
+            ratios[f"{a}_vs_{b}_median"] = statistics.median(per_round)
+            ratios[f"{a}_vs_{b}_worst"] = min(per_round)
         out[direction] = {
             **{f"{w}_gbps_median": statistics.median(v) for w, v in gbps.items()},
             **{f"{w}_gbps_worst": min(v) for w, v in gbps.items()},
-            "numpy_vs_torch_median": statistics.median(ratio),
-            "numpy_vs_torch_worst": min(ratio),
+            **ratios,
             "per_round_gbps": gbps,
         }
     return out
@@ -116,24 +148,28 @@ def plot(results: dict, path: pathlib.Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
     directions = ["load", "save"]
-    for j, way in enumerate(("torch", "numpy")):
+    labels = {
+        "torch": "torch copy_ (before 2026-12-06)",
+        "numpy": "numpy copyto (2026-12-06)",
+        "native": "native streaming copy (as shipped)",
+    }
+    for j, way in enumerate(labels):
         med = [results["copies"][d][f"{way}_gbps_median"] for d in directions]
         worst = [results["copies"][d][f"{way}_gbps_worst"] for d in directions]
-        xs = [i + (j - 0.5) * 0.38 for i in range(len(directions))]
-        label = "torch copy_ (before)" if way == "torch" else "numpy copyto (as shipped)"
-        ax.bar(xs, med, width=0.36, label=label)
+        xs = [i + (j - 1) * 0.27 for i in range(len(directions))]
+        ax.bar(xs, med, width=0.25, label=labels[way])
         ax.scatter(xs, worst, color="black", marker="_", s=200, zorder=3)
     for i, d in enumerate(directions):
         r = results["copies"][d]
         ax.annotate(
-            f"x{r['numpy_vs_torch_median']:.2f} (worst x{r['numpy_vs_torch_worst']:.2f})",
-            (i, r["numpy_gbps_median"]),
+            f"native/numpy x{r['native_vs_numpy_median']:.2f} (worst x{r['native_vs_numpy_worst']:.2f})",
+            (i, r["native_gbps_median"]),
             ha="center",
             va="bottom",
             xytext=(0, 4),
             textcoords="offset points",
         )
-    top = max(results["copies"][d][f"{w}_gbps_median"] for d in directions for w in ("torch", "numpy"))
+    top = max(results["copies"][d][f"{w}_gbps_median"] for d in directions for w in labels)
     ax.set_ylim(0, top * 1.15)
     ax.set_xticks(range(len(directions)), [f"{d} (78 x 1 MiB blocks)" for d in directions])
     ax.set_ylabel("GB/s (bar: median, tick: worst round)")
@@ -161,9 +197,11 @@ def main() -> int:
     plot(results, args.out.with_suffix(".png"))
     for d, r in results["copies"].items():
         print(
-            f"{d}: numpy {r['numpy_gbps_median']:.2f} (worst {r['numpy_gbps_worst']:.2f}) GB/s, torch "
-            f"{r['torch_gbps_median']:.2f} (worst {r['torch_gbps_worst']:.2f}); numpy/torch "
-            f"{r['numpy_vs_torch_median']:.2f}x median, {r['numpy_vs_torch_worst']:.2f}x worst"
+            f"{d}: native {r['native_gbps_median']:.2f} (worst {r['native_gbps_worst']:.2f}) GB/s, numpy "
+            f"{r['numpy_gbps_median']:.2f} (worst {r['numpy_gbps_worst']:.2f}), torch "
+            f"{r['torch_gbps_median']:.2f} (worst {r['torch_gbps_worst']:.2f}); native/numpy "
+            f"{r['native_vs_numpy_median']:.2f}x median, {r['native_vs_numpy_worst']:.2f}x worst; "
+            f"numpy/torch {r['numpy_vs_torch_median']:.2f}x, {r['numpy_vs_torch_worst']:.2f}x"
         )
     return 0
 

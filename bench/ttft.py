@@ -57,7 +57,7 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 
-from pegaflow.bench.harness import results
+from pegaflow.bench.harness import results, step_timing
 from pegaflow.bench.harness.procs import machine_busy_cpu_seconds, tree_cpu_seconds
 from pegaflow.tools.vllm_cpu.demo import DEMO_MODEL
 from pegaflow.tools.vllm_cpu.launcher import VllmServer, vllm_env
@@ -109,16 +109,18 @@ def engine_servers(
     kv_cache_bytes: str,
     trace_dir: pathlib.Path | None,
     baseline_path: str | None = None,
+    timing_dir: pathlib.Path | None = None,
 ) -> dict[str, VllmServer]:
     budget = ["--max-num-batched-tokens", str(16384)]  # >= the prompt: one step per prefill
     cache = work / "vllm-cache"
     common = dict(kv_cache_bytes=kv_cache_bytes, max_model_len=16384, extra_args=budget, cache_dir=cache)
     out: dict[str, VllmServer] = {}
     for name in engines:
+        timing = {} if timing_dir is None else step_timing.engine_env(timing_dir / name)
         if name in ("pega", "base"):
             assert server_addr is not None
             host, port = server_addr.rsplit(":", 1)
-            env = {"PEGAFLOW_HOST": f"http://{host}", "PEGAFLOW_PORT": port}
+            env = {"PEGAFLOW_HOST": f"http://{host}", "PEGAFLOW_PORT": port, **timing}
             if trace_dir is not None:
                 env["PEGAFLOW_TRACE"] = str(trace_dir / name)
             kv = {
@@ -130,18 +132,18 @@ def engine_servers(
                 # another checkout's connector (A/B in one run), in a namespace of its own
                 if not baseline_path:
                     raise ValueError("engine 'base' needs --baseline-pythonpath")
-                env["PYTHONPATH"] = baseline_path
+                env["PYTHONPATH"] = os.pathsep.join(p for p in (timing.get("PYTHONPATH"), baseline_path) if p)
                 kv["kv_connector_extra_config"] = {"namespace_salt": "ttft-baseline"}
             out[name] = VllmServer(model, work / name, kv_transfer_config=kv, env=env, **common)
         elif name == "floor":
-            out[name] = VllmServer(model, work / name, enable_prefix_caching=True, **common)
+            out[name] = VllmServer(model, work / name, enable_prefix_caching=True, env=timing, **common)
         elif name == "example":
             kv = {
                 "kv_connector": "ExampleConnector",
                 "kv_role": "kv_both",
                 "kv_connector_extra_config": {"shared_storage_path": str(work / "example-store")},
             }
-            out[name] = VllmServer(model, work / name, kv_transfer_config=kv, **common)
+            out[name] = VllmServer(model, work / name, kv_transfer_config=kv, env=timing, **common)
         else:
             raise ValueError(f"unknown engine {name!r} (known: {', '.join(ENGINES)})")
     return out
@@ -591,6 +593,7 @@ def run(args: argparse.Namespace) -> dict:
     say(f"work dir {work}")
     model = ensure_tiny_model(work / "models", DEMO_MODEL)
     trace_dir = work / "trace" if args.trace else None
+    timing_dir = work / "step-timing" if args.step_timing else None
     report: dict = {
         "benchmark": "ttft",
         "shape": SHAPE,
@@ -618,6 +621,7 @@ def run(args: argparse.Namespace) -> dict:
             args.kv_cache_bytes,
             trace_dir,
             args.baseline_pythonpath,
+            timing_dir,
         )
         for srv in servers.values():
             srv.start()
@@ -679,6 +683,19 @@ def run(args: argparse.Namespace) -> dict:
                     if p["engine"] == e
                 }
                 report["trace"][e] = summarize_dir(trace_dir / e, windows)
+    if timing_dir is not None:
+        report["step_timing"] = {}
+        for e in engines:
+            spans = step_timing.load(timing_dir / e) if (timing_dir / e).exists() else []
+            windows = {
+                f"{p['mode']}-{p['kind']}-{p['round']}": tuple(p["t_window"])
+                for p in report["passes"]
+                if p["engine"] == e
+            }
+            report["step_timing"][e] = {
+                "warm": step_timing.summarize_warm(spans, windows),
+                "per_pass": step_timing.summarize(spans, windows),
+            }
     report["summary"] = summarize(report["passes"], engines, modes, args.quiet_cores)
     report["verdict"] = judge(report["summary"])
     report["hit_proof_ok"] = all(p["hit_ok"] for p in report["passes"])
@@ -748,6 +765,14 @@ def print_summary(report: Mapping) -> None:
     print(
         f"hit proof of every pass: {'ok' if report['hit_proof_ok'] else 'FAILED'}; quiet: {report['quiet']}"
     )
+    for e, timing in report.get("step_timing", {}).items():
+        for mode, row in timing["warm"].items():
+            parts = []
+            for call in step_timing.CALLS:
+                c = row[call]
+                if c["count"]:
+                    parts.append(f"{call} {c['median_ms']:.2f} / {c['p90_ms']:.2f} / {c['max_ms']:.2f}")
+            print(f"step timing {e:>6} {mode} (ms median / p90 / max): " + ", ".join(parts))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -768,6 +793,12 @@ def main(argv: list[str] | None = None) -> int:
         help="engine 'base': PegaKVConnector imported from this PYTHONPATH (another checkout), for A/B",
     )
     ap.add_argument("--trace", action="store_true", help="PEGAFLOW_TRACE the pega engine; per-phase summary")
+    ap.add_argument(
+        "--step-timing",
+        action="store_true",
+        help="time vLLM's own schedule / execute_model / prepare_inputs / sample_tokens in every engine "
+        "(harness/step_timing.py); summary per engine, warm passes pooled",
+    )
     ap.add_argument("--out", default="bench/results", help="where ttft.json and ttft.png go")
     ap.add_argument("--name", default="ttft", help="result file stem")
     ap.add_argument("--workdir", help="keep everything here (default: a temp dir, removed at the end)")

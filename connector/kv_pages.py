@@ -8,10 +8,12 @@ block for one rank, laid out layer after layer in one contiguous pool location:
 
     pool[offset + layer * page_bytes : offset + (layer + 1) * page_bytes] == page of `layer`
 
-Copies are numpy copies of strided byte views (memcpy per page, GIL released), one per run
-of blocks that are consecutive both in vLLM's cache and in the pool, per layer: never per
-byte. Not torch's ``copy_`` of the same views: that ran ~30 % slower for a warm 10K-token
-load's pages (bench/page_copy_bench.py), CPU the load takes from the forward beside it.
+Copies go one per run of blocks that are consecutive both in vLLM's cache and in the pool, per
+layer, never per byte: a page-by-page copy of two strided byte views, outside the interpreter
+lock, with streaming stores once native/page_copy.c is built (numpy's copyto, i.e. memcpy per page,
+until then). Measured for a warm 10K-token load's pages (bench/page_copy_bench.py): torch's
+``copy_`` of the same views ran ~30 % slower than numpy's, and numpy's memcpy slower than the
+streaming copy: CPU the load takes from the forward beside it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from pegaflow.connector.native import page_copy
 
 
 class LayoutMismatch(Exception):
@@ -132,6 +136,7 @@ class KvPages:
         self.page_bytes = page_bytes
         self.num_layers = len(pages)
         self.block_bytes = page_bytes * self.num_layers
+        page_copy.start()  # numpy's copies until the native one is built and proven
 
     def _pool_pages(self, pool: np.ndarray, run: Run, layer: int) -> np.ndarray:
         """The `[count, page_bytes]` strided view of one layer's pages of a run in the pool."""
@@ -160,7 +165,8 @@ class KvPages:
         copied = 0
         for run in runs:
             self._check_blocks(run)
-            np.copyto(dst_layer[run.block_id : run.block_id + run.count], self._pool_pages(pool, run, layer))
+            dst = dst_layer[run.block_id : run.block_id + run.count]
+            page_copy.copy(dst, self._pool_pages(pool, run, layer))
             copied += run.count * self.page_bytes
         return copied
 
@@ -173,7 +179,7 @@ class KvPages:
             self._check_blocks(run)
             lo, hi = run.block_id, run.block_id + run.count
             for layer, src_layer in enumerate(self.pages):
-                np.copyto(self._pool_pages(pool, run, layer), src_layer[lo:hi])
+                page_copy.copy(self._pool_pages(pool, run, layer), src_layer[lo:hi])
                 copied += run.count * self.page_bytes
         return copied
 

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-import time
 
 from pegaflow.common.native.extension import NativeExtension
+from pegaflow.common.native.optional import OptionalNative
 from pegaflow.common.wire import frames
 
 log = logging.getLogger("pegaflow.client")
@@ -45,68 +44,18 @@ assert mod.recv_frame(a.fileno(), 200, 0.0, True, far()) == (1, None)
 
 EXTENSION = NativeExtension(SOURCE, "_pegaflow_frame_wait", _CHILD, "the client's native frame wait")
 
-_native = None  # the module's recv_frame once proven
-_started = False
-_python_only = False  # use(False): a load still running must not switch to native
-_start_lock = threading.Lock()
-
-
-def start() -> None:
-    """Builds and proves the native module on a thread of its own (once per process)."""
-    global _started
-    with _start_lock:
-        if _started or os.environ.get(ENV_SWITCH, "1") == "0":
-            return
-        _started = True
-    threading.Thread(target=_load, name="pegaflow-native-client", daemon=True).start()
-
-
-def _load() -> None:
-    global _native
-    why = EXTENSION.probe()
-    if why is not None:
-        log.info("pegaflow: the client waits for answers in Python (%s)", why)
-        return
-    try:
-        loaded = EXTENSION.load().recv_frame
-        if not _python_only:
-            _native = loaded
-    except Exception as exc:  # noqa: BLE001 - the Python wait stays
-        log.info("pegaflow: the client waits for answers in Python (%s)", exc)
-
-
-def wait_until_ready(timeout_s: float) -> bool:
-    """True once the native wait is in use (start() first)."""
-    end = time.monotonic() + timeout_s
-    while _native is None and time.monotonic() < end:
-        time.sleep(0.01)
-    return _native is not None
-
-
-def is_native() -> bool:
-    return _native is not None
-
-
-def use(native: bool, timeout_s: float = 60.0) -> bool:
-    """Tests and benchmarks (A/B): every client of this process waits natively from now on (the
-    module built and proven first, within ``timeout_s``; False if it cannot be), or in Python."""
-    global _native, _started, _python_only
-    with _start_lock:
-        _started = True  # no client's start() changes it behind the caller's back
-    _python_only = not native
-    if not native:
-        _native = None
-        return True
-    if _native is None:
-        _load()
-    return wait_until_ready(timeout_s)
+NATIVE = OptionalNative(EXTENSION, "recv_frame", ENV_SWITCH, "the client waits for answers in Python", log)
+start = NATIVE.start
+wait_until_ready = NATIVE.wait_until_ready
+is_native = NATIVE.is_native
+use = NATIVE.use
 
 
 def recv_frame(sock, poller, limit: int, spin_s: float, yield_cpu: bool, deadline: float) -> bytes | None:
     """One frame's body (b"" for GOODBYE), or None when the peer closed between frames, after spinning
     up to ``spin_s`` (``poller``: ``sock`` registered for POLLIN, used by the Python wait). Raises
     TimeoutError, FrameTooLarge, ConnectionError (EOF inside a frame), OSError."""
-    native = _native
+    native = NATIVE.get()
     if native is None:
         frames.spin_until_readable(poller, spin_s, yield_cpu)
         return frames.read_frame(sock, limit, deadline)
