@@ -305,6 +305,8 @@ VARIANTS = {
     "ramp8": {"first_chunk_bytes": 8 << 20},
     "ramp16": {"first_chunk_bytes": 16 << 20},
     "ramp32": {"first_chunk_bytes": 32 << 20},
+    "ramp64": {"first_chunk_bytes": 64 << 20},
+    "tail8": {"last_chunk_bytes": 8 << 20},
 }
 _SERVER_BOOT = (
     "import functools, json, logging, sys\n"

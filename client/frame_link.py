@@ -97,10 +97,11 @@ class _Conn:
 class PendingAnswer:
     """A call sent on ``conn`` whose answer is not read yet (FrameLink.start)."""
 
-    __slots__ = ("conn", "fresh", "frame", "deadline")
+    __slots__ = ("conn", "fresh", "frame", "deadline", "held_s")
 
-    def __init__(self, conn: _Conn, fresh: bool, frame: bytes, deadline: float):
+    def __init__(self, conn: _Conn, fresh: bool, frame: bytes, deadline: float, held_s: float = 0.0):
         self.conn, self.fresh, self.frame, self.deadline = conn, fresh, frame, deadline
+        self.held_s = held_s
 
 
 class FrameLink:
@@ -143,21 +144,25 @@ class FrameLink:
     def usable(self) -> bool:
         return not self._closed and not self._disabled and time.monotonic() >= self._down_until
 
-    def call(self, frame: bytes, deadline: float) -> bytes:
+    def call(self, frame: bytes, deadline: float, held_s: float = 0.0) -> bytes:
         """Sends one request frame (length prefix included) and returns its answer's body.
 
+        ``held_s``: for a caller every other thread of its process waits for (vLLM's scheduler
+        looking a prompt up): the frame is sent, and its answer waited for up to ``held_s``, without
+        releasing the interpreter lock (with the native frame wait), so that a busy thread beside it
+        cannot hold the call up by a switch interval (5 ms) each time it takes the lock back.
         Raises NotSent, TimeoutError or LinkFailed (module docstring).
         """
-        return self.finish(self.start(frame, deadline))
+        return self.finish(self.start(frame, deadline, held_s))
 
-    def start(self, frame: bytes, deadline: float) -> PendingAnswer:
+    def start(self, frame: bytes, deadline: float, held_s: float = 0.0) -> PendingAnswer:
         """Sends one request frame and returns at once: ``finish`` collects its answer (or
         ``abandon`` drops it). The connection is the call's until then, so a caller can have
         several calls out at once - a save's next allocation while it copies the current batch.
         Raises NotSent or TimeoutError; a LinkFailed only comes with the answer."""
         if not self.usable:
             raise NotSent("resting")
-        return self._send_on(frame, deadline, fresh_only=False)
+        return self._send_on(frame, deadline, fresh_only=False, held_s=held_s)
 
     def finish(self, pending: PendingAnswer) -> bytes:
         """The answer's body of a started call. Raises NotSent, TimeoutError or LinkFailed."""
@@ -172,6 +177,7 @@ class FrameLink:
                     max(min(self.spin_s, left), 0.0),
                     self._yield,
                     pending.deadline,
+                    pending.held_s,
                 )
             except TimeoutError:
                 self._drop(conn)
@@ -187,7 +193,9 @@ class FrameLink:
                 if pending.fresh:
                     self.rest("the server is closing its connections")
                     raise NotSent("the server said goodbye")
-                pending = self._send_on(pending.frame, pending.deadline, fresh_only=True)
+                pending = self._send_on(
+                    pending.frame, pending.deadline, fresh_only=True, held_s=pending.held_s
+                )
                 continue
             self._put_back(conn)  # the stream is in step again: the next call may take it
             return body
@@ -197,14 +205,16 @@ class FrameLink:
         the stream out of step). The request may still run; undoing it is the caller's business."""
         self._drop(pending.conn)
 
-    def _send_on(self, frame: bytes, deadline: float, fresh_only: bool) -> PendingAnswer:
+    def _send_on(self, frame: bytes, deadline: float, fresh_only: bool, held_s: float = 0.0) -> PendingAnswer:
         while True:
             conn, fresh = self._take(deadline, fresh_only)
             if deadline - time.monotonic() <= 0:
                 self._put_back(conn)
                 raise TimeoutError("deadline passed")
             try:
-                frames.send_all(conn.sock, frame, deadline)
+                sent = (frame_wait.send_now(conn.sock, frame) or 0) if held_s > 0 else 0
+                if sent < len(frame):
+                    frames.send_all(conn.sock, frame[sent:] if sent else frame, deadline)
             except TimeoutError:
                 self._drop(conn)  # part of a frame may be out: this stream is unusable
                 raise
@@ -215,7 +225,7 @@ class FrameLink:
                     raise NotSent(f"send failed: {exc}") from exc
                 fresh_only = True  # the server closed it while idle: nothing was read
                 continue
-            return PendingAnswer(conn, fresh, frame, deadline)
+            return PendingAnswer(conn, fresh, frame, deadline, held_s)
 
     def send(self, frame: bytes, timeout_s: float) -> bool:
         """Sends a request that wants no answer; False if not sent (use gRPC). Only on an idle open

@@ -63,11 +63,12 @@ class ReadLaneClient:
         lease_ttl_s: float | None,
         load: bool,
         deadline: float,
+        held_s: float = 0.0,
     ):
         """A ``PrefixHit``, or NOT_RUN. ``lease_id``: the caller's ``new_lease_id()`` to take a lease
         under (so it can release it if the call times out), 0 for none. Raises LocalRpcError (the
         RPC's status, or UNAVAILABLE when the connection failed after the request went out: it may
-        have run, and is not sent again)."""
+        have run, and is not sent again). ``held_s``: FrameLink.call's."""
         if len(hashes) > self.max_hashes or not self._link.usable:
             return NOT_RUN
         lease = lease_id != 0
@@ -83,7 +84,7 @@ class ReadLaneClient:
             )
         except ValueError:  # the frame cannot carry it (a long hash, a long id): the engine answers it
             return NOT_RUN
-        answer = self._call(frame, deadline)
+        answer = self._call(frame, deadline, held_s)
         if answer is NOT_RUN:
             return NOT_RUN
         n = len(answer.offsets)
@@ -117,9 +118,9 @@ class ReadLaneClient:
         self.served += 1
         return None
 
-    def _call(self, frame: bytes, deadline: float):
+    def _call(self, frame: bytes, deadline: float, held_s: float = 0.0):
         try:
-            answer = wire.decode_response(self._link.call(frame, deadline))
+            answer = wire.decode_response(self._link.call(frame, deadline, held_s))
         except NotSent:
             return NOT_RUN
         except TimeoutError:

@@ -161,15 +161,18 @@ class PegaClient(ClientBase):
         lease_ttl_s: float | None = None,
         timeout_s: float | None = None,
         purpose: QueryPurpose = QueryPurpose.LOOKUP,
+        hold_lock_s: float = 0.0,
     ) -> PrefixHit:
         """Number of leading stored blocks; with ``lease`` they stay pinned until ``release``.
 
         ``purpose``: LOOKUP (a block request, counted in the server's hit statistics) or LOAD (the
         load of blocks a LOOKUP already counted, e.g. a worker leasing what its scheduler found).
+        ``hold_lock_s``: through the read lane, the request is sent and its answer waited for up to
+        this long without releasing the interpreter lock (client/frame_link.py says when that pays).
         """
         conn = self._require()
         if conn.lane is not None:
-            hit = self._lane_query(conn, inst, hashes, lease, lease_ttl_s, timeout_s, purpose)
+            hit = self._lane_query(conn, inst, hashes, lease, lease_ttl_s, timeout_s, purpose, hold_lock_s)
             if hit is not NOT_RUN:
                 return hit
         req = self._query_request(inst, hashes, lease, lease_ttl_s, purpose)
@@ -423,6 +426,7 @@ class PegaClient(ClientBase):
         lease_ttl_s: float | None,
         timeout_s: float | None,
         purpose: QueryPurpose,
+        hold_lock_s: float = 0.0,
     ):
         """The query through the read lane: a PrefixHit, or NOT_RUN (send it to the engine)."""
         hashes = self._hashes(hashes)
@@ -437,6 +441,7 @@ class PegaClient(ClientBase):
                 lease_ttl_s,
                 QueryPurpose(purpose) == QueryPurpose.LOAD,
                 deadline,
+                hold_lock_s,
             )
         except grpc.RpcError as err:
             exc = self._failed(conn, err, "QueryPrefix")

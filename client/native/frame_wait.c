@@ -8,12 +8,15 @@
  * (the spin, the sleep in the kernel, the frame's length and body) runs with the lock released once,
  * and taken once at the end.
  *
- *   recv_frame(fd, limit, spin_s, yield_cpu, deadline) -> (code, value)
+ *   recv_frame(fd, limit, spin_s, yield_cpu, deadline, held_s=0.0) -> (code, value)
  *
  * ``fd``: a connected, non-blocking stream socket. ``limit``: the longest body accepted.
  * ``spin_s``: how long to poll without sleeping (``yield_cpu``: sched_yield between polls, so the spin
  * only takes idle CPU). ``deadline``: time.monotonic() value (CLOCK_MONOTONIC) by which the whole
- * frame must be in. The frame is common/wire/frames.py's: u32 little-endian body length, body.
+ * frame must be in. ``held_s``: first wait up to this long keeping the lock (a caller every other
+ * thread waits for, such as vLLM's scheduler looking up a prompt: an answer that comes in time is
+ * not held up by taking the lock back). The frame is common/wire/frames.py's: u32 little-endian
+ * body length, body.
  * Codes (the Python side, client/native/frame_wait.py, turns them into frames.read_frame's results):
  *   0 value = the body (bytes; b"" is the server's GOODBYE)
  *   1 value = None: the peer closed the connection before a frame began
@@ -92,11 +95,41 @@ static int read_exact(int fd, char *buf, size_t n, size_t *got, double deadline,
     return FW_OK;
 }
 
+/* One pass of the read's state machine (see recv_frame), with or without the interpreter lock. */
+static int advance(int fd, Py_ssize_t limit, double spin_s, int yield_cpu, double deadline, int *stage,
+                   unsigned char *head, size_t *head_got, char **body, size_t *body_got, uint32_t *size,
+                   int *err) {
+    int code = FW_OK;
+    if (*stage == 0) {
+        int w = wait_readable(fd, spin_s, yield_cpu, deadline);
+        if (w == 0) code = FW_TIMEOUT;
+        else if (w == -EINTR) code = FW_SIGNAL;
+        else if (w < 0) code = FW_ERRNO, *err = -w;
+        else *stage = 1;
+    }
+    if (code == FW_OK && *stage == 1) {
+        code = read_exact(fd, (char *)head, 4, head_got, deadline, 1, err);
+        if (code == FW_OK) {
+            *size = (uint32_t)head[0] | (uint32_t)head[1] << 8 | (uint32_t)head[2] << 16 |
+                    (uint32_t)head[3] << 24;
+            if ((Py_ssize_t)*size > limit) {
+                code = FW_TOO_LARGE;
+            } else if (*size > 0) {
+                *body = malloc(*size);
+                if (*body == NULL) code = FW_ERRNO, *err = ENOMEM;
+                else *stage = 2;
+            }
+        }
+    }
+    if (code == FW_OK && *stage == 2) code = read_exact(fd, *body, *size, body_got, deadline, 0, err);
+    return code;
+}
+
 static PyObject *recv_frame(PyObject *self, PyObject *args) {
     int fd, yield_cpu;
     Py_ssize_t limit;
-    double spin_s, deadline;
-    if (!PyArg_ParseTuple(args, "indpd", &fd, &limit, &spin_s, &yield_cpu, &deadline)) return NULL;
+    double spin_s, deadline, held_s = 0.0;
+    if (!PyArg_ParseTuple(args, "indpd|d", &fd, &limit, &spin_s, &yield_cpu, &deadline, &held_s)) return NULL;
     if (limit < 0) {
         PyErr_SetString(PyExc_ValueError, "limit must not be negative");
         return NULL;
@@ -110,32 +143,25 @@ static PyObject *recv_frame(PyObject *self, PyObject *args) {
     size_t head_got = 0, body_got = 0;
     uint32_t size = 0;
     char *body = NULL;
+    /* The held phase: up to held_s with the interpreter lock kept (no sleep; the CPU yielded between
+     * polls as in the spin, so the server's thread gets a core on a small host), so that an
+     * answer in that time is returned without winning the lock back from another thread (up to the
+     * switch interval, 5 ms by default). Whatever is not in by then is waited for without it. */
+    double held_until = held_s > 0 ? now_s() + held_s : 0.0;
+    if (held_until > deadline) held_until = deadline;
+    int held = held_s > 0;
     for (;;) {
-        Py_BEGIN_ALLOW_THREADS
-        code = FW_OK;
-        if (stage == 0) {
-            int w = wait_readable(fd, spin_s, yield_cpu, deadline);
-            if (w == 0) code = FW_TIMEOUT;
-            else if (w == -EINTR) code = FW_SIGNAL;
-            else if (w < 0) code = FW_ERRNO, err = -w;
-            else stage = 1;
+        if (held) {
+            code = advance(fd, limit, held_s, yield_cpu, held_until, &stage, head, &head_got, &body,
+                           &body_got, &size, &err);
+            held = 0;
+            if (code == FW_TIMEOUT && now_s() < deadline) continue; /* not in yet: wait without it */
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            code = advance(fd, limit, spin_s, yield_cpu, deadline, &stage, head, &head_got, &body,
+                           &body_got, &size, &err);
+            Py_END_ALLOW_THREADS
         }
-        if (code == FW_OK && stage == 1) {
-            code = read_exact(fd, (char *)head, 4, &head_got, deadline, 1, &err);
-            if (code == FW_OK) {
-                size = (uint32_t)head[0] | (uint32_t)head[1] << 8 | (uint32_t)head[2] << 16 |
-                       (uint32_t)head[3] << 24;
-                if ((Py_ssize_t)size > limit) {
-                    code = FW_TOO_LARGE;
-                } else if (size > 0) {
-                    body = malloc(size);
-                    if (body == NULL) code = FW_ERRNO, err = ENOMEM;
-                    else stage = 2;
-                }
-            }
-        }
-        if (code == FW_OK && stage == 2) code = read_exact(fd, body, size, &body_got, deadline, 0, &err);
-        Py_END_ALLOW_THREADS
         if (code != FW_SIGNAL) break;
         /* A signal broke the wait: its Python handler runs now, then the read goes on where it was. */
         if (PyErr_CheckSignals() < 0) {
@@ -161,10 +187,26 @@ static PyObject *recv_frame(PyObject *self, PyObject *args) {
     }
 }
 
+/* send_now(fd, data) -> int: what one non-blocking send (MSG_DONTWAIT | MSG_NOSIGNAL) took of ``data``
+ * at once, with the interpreter lock kept (Python's socket calls release it, and taking it back may
+ * wait for another thread's switch interval), or -errno (-EAGAIN: nothing fitted). The caller sends
+ * the rest, if any, the usual way. */
+static PyObject *send_now(PyObject *self, PyObject *args) {
+    int fd;
+    Py_buffer data;
+    if (!PyArg_ParseTuple(args, "iy*", &fd, &data)) return NULL;
+    ssize_t n = send(fd, data.buf, (size_t)data.len, MSG_DONTWAIT | MSG_NOSIGNAL);
+    int err = errno;
+    PyBuffer_Release(&data);
+    return PyLong_FromSsize_t(n >= 0 ? n : -(Py_ssize_t)err);
+}
+
 static PyMethodDef methods[] = {
+    {"send_now", send_now, METH_VARARGS,
+     "send_now(fd, data) -> int: bytes sent at once without releasing the interpreter lock, or -errno."},
     {"recv_frame", recv_frame, METH_VARARGS,
-     "recv_frame(fd, limit, spin_s, yield_cpu, deadline) -> (code, value): one frame, waited for "
-     "without the interpreter lock."},
+     "recv_frame(fd, limit, spin_s, yield_cpu, deadline, held_s=0.0) -> (code, value): one frame, "
+     "waited for without the interpreter lock after the first held_s."},
     {NULL, NULL, 0, NULL},
 };
 

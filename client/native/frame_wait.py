@@ -9,6 +9,7 @@ so that no client waits for a compiler: until then, or when the module cannot be
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 
@@ -40,6 +41,15 @@ b.sendall(struct.pack("<I", 9) + b"cut")
 b.close()
 assert mod.recv_frame(a.fileno(), 200, 0.0, True, far()) == (4, None)
 assert mod.recv_frame(a.fileno(), 200, 0.0, True, far()) == (1, None)
+a, b = socket.socketpair()
+a.setblocking(False)
+t0 = time.monotonic()
+assert mod.recv_frame(a.fileno(), 64, 0.0, True, t0 + 0.05, 0.01) == (2, None)  # held, then not
+assert time.monotonic() - t0 >= 0.05
+assert mod.send_now(b.fileno(), struct.pack("<I", 2) + b"hi") == 6
+assert mod.recv_frame(a.fileno(), 64, 0.0, True, far(), 0.01) == (0, b"hi")
+b.close()
+assert mod.send_now(a.fileno(), b"x") < 0
 """
 
 EXTENSION = NativeExtension(SOURCE, "_pegaflow_frame_wait", _CHILD, "the client's native frame wait")
@@ -51,15 +61,18 @@ is_native = NATIVE.is_native
 use = NATIVE.use
 
 
-def recv_frame(sock, poller, limit: int, spin_s: float, yield_cpu: bool, deadline: float) -> bytes | None:
+def recv_frame(
+    sock, poller, limit: int, spin_s: float, yield_cpu: bool, deadline: float, held_s: float = 0.0
+) -> bytes | None:
     """One frame's body (b"" for GOODBYE), or None when the peer closed between frames, after spinning
-    up to ``spin_s`` (``poller``: ``sock`` registered for POLLIN, used by the Python wait). Raises
+    up to ``spin_s`` (``poller``: ``sock`` registered for POLLIN, used by the Python wait). ``held_s``:
+    natively, the first part of the wait keeps the interpreter lock (frame_wait.c). Raises
     TimeoutError, FrameTooLarge, ConnectionError (EOF inside a frame), OSError."""
     native = NATIVE.get()
     if native is None:
         frames.spin_until_readable(poller, spin_s, yield_cpu)
         return frames.read_frame(sock, limit, deadline)
-    code, value = native(sock.fileno(), limit, spin_s, yield_cpu, deadline)
+    code, value = native(sock.fileno(), limit, spin_s, yield_cpu, deadline, held_s)
     if code == 0:
         return value
     if code == 1:
@@ -73,3 +86,17 @@ def recv_frame(sock, poller, limit: int, spin_s: float, yield_cpu: bool, deadlin
     if code == 5:
         raise frames.FrameTooLarge(f"frame of {value} bytes exceeds the limit of {limit} bytes")
     raise AssertionError(f"recv_frame: unknown code {code}")
+
+
+def send_now(sock, data: bytes) -> int | None:
+    """What one non-blocking send took of ``data`` with the interpreter lock kept (0 when nothing
+    fitted); None when the native module is not in use (send it the usual way). Raises OSError."""
+    module = NATIVE.module()
+    if module is None:
+        return None
+    sent = module.send_now(sock.fileno(), data)
+    if sent == -errno.EAGAIN:
+        return 0
+    if sent < 0:
+        raise OSError(-sent, os.strerror(-sent))
+    return sent

@@ -173,3 +173,60 @@ def test_a_socket_closed_by_another_thread_fails_at_once(wait_mode):
     finally:
         b.close()
     assert time.monotonic() - t0 < 1.0
+
+
+def _python_progress(during) -> int:
+    """How far a thread running Python got while ``during()`` ran on this one."""
+    ticks = [0]
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            ticks[0] += 1
+
+    t = threading.Thread(target=spin)
+    t.start()
+    time.sleep(0.02)  # it runs now
+    try:
+        before = ticks[0]
+        during()
+        return ticks[0] - before
+    finally:
+        stop.set()
+        t.join()
+
+
+def test_a_held_wait_keeps_the_lock_then_lets_go(pair):
+    """held_s: the first part of the wait keeps the interpreter lock (no other thread runs Python),
+    so an answer in that time needs no switch interval to take the lock back; past it, the wait
+    lets go as a plain one does. Same answers either way."""
+    assert frame_wait.use(True), frame_wait.EXTENSION.probe()
+    a, b = pair
+    poller = select.poll()
+    poller.register(a, select.POLLIN)
+
+    def wait(held_s: float, timeout_s: float):
+        with pytest.raises(TimeoutError):
+            frame_wait.recv_frame(a, poller, 1 << 20, 0.0, True, time.monotonic() + timeout_s, held_s)
+
+    # Progress is counted from before the call: the other thread may take the lock for one switch
+    # interval (5 ms) on the way in. Held for the whole 100 ms it gets no more than that; released,
+    # it runs the whole time.
+    held = _python_progress(lambda: wait(0.1, 0.1))
+    free = _python_progress(lambda: wait(0.0, 0.1))
+    assert held * 4 < free
+    assert _python_progress(lambda: wait(0.02, 0.2)) > 4 * held  # held 20 ms, then released
+    assert frame_wait.send_now(b, frames.encode_frame(b"held")) == 4 + 4
+    assert frame_wait.recv_frame(a, poller, 1 << 20, 0.0, True, time.monotonic() + 5, 0.01) == b"held"
+    b.close()
+    with pytest.raises(OSError):
+        frame_wait.send_now(a, b"x")
+
+
+def test_without_the_native_module_send_now_leaves_the_send_to_the_caller(pair):
+    was = frame_wait.is_native()
+    frame_wait.use(False)
+    try:
+        assert frame_wait.send_now(pair[0], b"x") is None
+    finally:
+        frame_wait.use(was)

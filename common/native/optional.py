@@ -32,6 +32,7 @@ class OptionalNative:
         self.fallback = fallback
         self._log = log
         self._native: Callable[..., Any] | None = None
+        self._module: Any = None  # the loaded module, while its function is in use
         self._started = False
         self._python_only = False  # use(False): a build still running must not switch to native
         self._lock = threading.Lock()
@@ -39,6 +40,10 @@ class OptionalNative:
     def get(self) -> Callable[..., Any] | None:
         """The native function, or None while (or where) the Python one is the one to use."""
         return self._native
+
+    def module(self) -> Any:
+        """The native module while its function is in use (for the module's other functions), else None."""
+        return self._module if self._native is not None else None
 
     def start(self) -> None:
         """Builds and proves the module on a thread of its own (once per process)."""
@@ -54,8 +59,10 @@ class OptionalNative:
             self._log.info("pegaflow: %s (%s)", self.fallback, why)
             return
         try:
-            loaded = getattr(self.extension.load(), self.name)
+            module = self.extension.load()
+            loaded = getattr(module, self.name)
             if not self._python_only:
+                self._module = module
                 self._native = loaded
         except Exception as exc:  # noqa: BLE001 - the Python function stays
             self._log.info("pegaflow: %s (%s)", self.fallback, exc)
