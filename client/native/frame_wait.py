@@ -5,6 +5,8 @@ once: same arguments, same results and errors. It is native once ``start()`` has
 and proven it in a child process (common/native/extension.py), which happens on a thread of its own
 so that no client waits for a compiler: until then, or when the module cannot be built or proven
 (no compiler, a crash in the child), or with ``PEGAFLOW_NATIVE_CLIENT=0``, it is the Python one.
+Natively, ``held_s`` keeps the lock for the first part of the wait and ``send_now`` sends without
+releasing it: for a caller the whole process waits for (FrameLink.call says when).
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@
  * glibc's non-temporal threshold (3/4 of the last-level cache) it stores through the cache, which
  * first reads each destination line (a third memory transfer per byte) and evicts what the forward
  * had in the cache. Streaming stores write the lines without reading them: on the 2-vCPU AMD EPYC VM,
- * 1.78 MiB units of a 78 MiB load ran at 18.6 GB/s against 13.5 GB/s for memcpy, single thread
- * (bench/page_copy_bench.py measures it in the benchmark's own shapes). The bytes are read next by
+ * a cache-cold 78 MiB request's pages moved at 16.4 GB/s against numpy's 13.9 for loads and 16.9
+ * against 13.6 for saves, single thread (bench/page_copy_bench.py, medians of 40 rounds,
+ * bench/results/page_copy_2026-12-06_native.json). The bytes are read next by
  * the forward, layer by layer, long after this copy evicted them from the cache either way.
  *
  *   copy_pages(dst, src) -> int
