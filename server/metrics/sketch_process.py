@@ -18,7 +18,14 @@ Protocol, over one SOCK_STREAM socketpair, in the framing of the local sockets
 * ``SNAPSHOT``: no payload; the child answers with a frame of the snapshot as JSON. Frames are
   handled in order, so a snapshot counts every record fed before it (tests and scrapes rely on it).
 
-Back-pressure: a child that is behind makes the feeder thread wait in its send (without the GIL);
+Child -> parent, unasked, once: ``READY`` (one byte), when its sketches are built. Until then the
+feeder does not write to the socket: a child starting at nice +10 on a busy host can take seconds
+to import, and a feeder waiting on that would be timed out like a stalled child (CI saw a fresh
+child killed that way, then a third one started). Lookups meanwhile wait in a bounded backlog
+(``BACKLOG_BYTES``, then dropped and counted) and go out in order once the child is ready; a child
+that is not ready in ``start_timeout_s`` is killed and started again.
+
+Back-pressure: a ready child that is behind makes the feeder thread wait in its send (without the GIL);
 the lookups waiting meanwhile queue in ServerMetrics' bounded deque, whose overflow is counted
 (``pegaflow_metrics_dropped_lookups``), as when the sketches ran on the feeder itself.
 
@@ -34,14 +41,17 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import fcntl
 import json
 import logging
 import os
+import select
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 from collections.abc import Sequence
@@ -51,7 +61,7 @@ from pegaflow.server.metrics.lookup_sketches import LookupRecord, LookupSketches
 
 log = logging.getLogger(__name__)
 
-FEED, SNAPSHOT = 1, 2
+FEED, SNAPSHOT, READY = 1, 2, 3
 _RECORD = struct.Struct("<IQIH")
 VARYING = 0xFFFF
 MAX_FRAME_BYTES = 64 << 20
@@ -60,6 +70,9 @@ START_TIMEOUT_S = 30.0
 RESTART_BACKOFF_S = 5.0
 CHILD_NICE = 10
 SEND_BUFFER_BYTES = 4 << 20
+# Lookups held while a child starts: ~1 s of a busy server's lookups, and what a ready child eats
+# in well under io_timeout_s, so handing the backlog over never looks like a stall.
+BACKLOG_BYTES = 1 << 20
 
 
 def encode_records(records: Sequence[LookupRecord]) -> bytes:
@@ -113,17 +126,23 @@ class SketchProcess:
         *,
         io_timeout_s: float = IO_TIMEOUT_S,
         restart_backoff_s: float = RESTART_BACKOFF_S,
+        start_timeout_s: float = START_TIMEOUT_S,
     ):
         self.windows = dict(windows)
         self._config = {"windows": self.windows, "capacity_bytes": capacity_bytes, "mrc": mrc_options or {}}
         self.io_timeout_s = io_timeout_s
         self.restart_backoff_s = restart_backoff_s
+        self.start_timeout_s = start_timeout_s
         self.restarts = 0
         self.dropped_records = 0
         self._lock = threading.Lock()  # the socket: one frame (or one request + answer) at a time
         self._sock: socket.socket | None = None
         self._proc: subprocess.Popen | None = None
         self._next_start = 0.0
+        self._started_at = 0.0
+        self._ready = False  # the child said READY: frames go to the socket, not the backlog
+        self._backlog: list[tuple[bytes, int]] = []  # (frame, records in it) while the child starts
+        self._backlog_bytes = 0
         self._closed = False
         self._start_locked()
 
@@ -157,10 +176,14 @@ class SketchProcess:
         # Room for bursts while the child catches up (the kernel caps it at net.core.wmem_max).
         parent.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         self._sock = parent
-        self._next_start = time.monotonic() + self.restart_backoff_s
+        self._ready = False
+        self._started_at = time.monotonic()
+        self._next_start = self._started_at + self.restart_backoff_s
 
     def _fail_locked(self, why: str) -> None:
         log.warning("lookup sketches' process %s: %s; starting another", self.pid, why)
+        self.dropped_records += sum(n for _, n in self._backlog)
+        self._backlog, self._backlog_bytes, self._ready = [], 0, False
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -182,6 +205,67 @@ class SketchProcess:
             self._start_locked()
         return self._sock is not None
 
+    def _await_ready_locked(self, timeout_s: float) -> bool:
+        """Whether the child is ready, waiting up to ``timeout_s`` for its READY; hands the backlog
+        over when it comes. OSError / ValueError (for _fail_locked) on garbage, EOF, a feed that
+        times out, or a child not ready ``start_timeout_s`` after it was started."""
+        if self._ready:
+            return True
+        give_up = self._started_at + self.start_timeout_s
+        wait = max(0.0, min(timeout_s, give_up - time.monotonic()))
+        readable, _, _ = select.select([self._sock], [], [], wait)
+        if not readable:
+            if time.monotonic() >= give_up:
+                raise TimeoutError(f"not ready {self.start_timeout_s:.0f} s after its start")
+            return False
+        body = frames.read_frame(self._sock, 16, time.monotonic() + self.io_timeout_s)
+        if body is None:
+            raise ConnectionError("closed before it was ready")
+        if body != bytes((READY,)):
+            raise frames.FrameError(f"expected READY, got {bytes(body[:16])!r}")
+        self._ready = True
+        while self._backlog:  # in order; what is not handed over is counted by _fail_locked
+            frame, n = self._backlog[0]
+            frames.send_all(self._sock, frame, time.monotonic() + self.io_timeout_s)
+            self._backlog.pop(0)
+            self._backlog_bytes -= len(frame)
+        return True
+
+    def _unread_bytes(self) -> int:
+        """Bytes written to the child and not yet read by it (SIOCOUTQ; Unix sockets have it)."""
+        out = fcntl.ioctl(self._sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+        return struct.unpack("i", out)[0]
+
+    def _read_answer_locked(self) -> bytes | None:
+        """The child's answer to a snapshot, which comes after every frame fed before it: a child
+        that is behind but reading (a busy host gives a nice +10 process little CPU) is waited for,
+        up to ``start_timeout_s`` in all; one that reads nothing for ``io_timeout_s`` is stalled."""
+        give_up = time.monotonic() + self.start_timeout_s
+        unread = self._unread_bytes()
+        while True:
+            readable, _, _ = select.select([self._sock], [], [], self.io_timeout_s)
+            if readable:
+                return frames.read_frame(self._sock, MAX_FRAME_BYTES, time.monotonic() + self.io_timeout_s)
+            now_unread = self._unread_bytes()
+            if now_unread >= unread or time.monotonic() >= give_up:
+                raise TimeoutError(f"no answer, {now_unread} bytes unread")
+            unread = now_unread
+
+    def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """Wait (up to ``timeout_s``, default the start timeout) until a child is ready; False if none is."""
+        deadline = time.monotonic() + (self.start_timeout_s if timeout_s is None else timeout_s)
+        while True:
+            with self._lock:
+                if self._ready_locked():
+                    try:
+                        if self._await_ready_locked(min(0.1, max(0.0, deadline - time.monotonic()))):
+                            return True
+                    except (OSError, ValueError) as exc:
+                        self._fail_locked(f"no start ({exc!r})")
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
     # ------------------------------------------------------------------ interface
 
     def add(self, records: Sequence[LookupRecord]) -> None:
@@ -193,8 +277,15 @@ class SketchProcess:
                 self.dropped_records += len(records)
                 return
             try:
+                if not self._await_ready_locked(0.0):
+                    if self._backlog_bytes + len(frame) <= BACKLOG_BYTES:
+                        self._backlog.append((frame, len(records)))
+                        self._backlog_bytes += len(frame)
+                    else:
+                        self.dropped_records += len(records)
+                    return
                 frames.send_all(self._sock, frame, time.monotonic() + self.io_timeout_s)
-            except OSError as exc:  # timeout included: a partial frame leaves the stream unusable
+            except (OSError, ValueError) as exc:  # timeout included: a partial frame leaves the stream unusable
                 self.dropped_records += len(records)
                 self._fail_locked(f"feeding failed ({exc!r})")
 
@@ -202,10 +293,12 @@ class SketchProcess:
         with self._lock:
             if not self._ready_locked():
                 return None
-            deadline = time.monotonic() + self.io_timeout_s
             try:
+                if not self._await_ready_locked(self.io_timeout_s):
+                    return None  # still starting: no sketch series this scrape
+                deadline = time.monotonic() + self.io_timeout_s
                 frames.send_all(self._sock, frames.encode_frame(bytes((SNAPSHOT,))), deadline)
-                body = frames.read_frame(self._sock, MAX_FRAME_BYTES, deadline)
+                body = self._read_answer_locked()
                 if not body:
                     raise ConnectionError("closed")
                 return SketchSnapshot.from_json(json.loads(body))
@@ -270,7 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     sock.setblocking(True)
     sketches = LookupSketches(config["windows"], config["capacity_bytes"], config["mrc"])
     try:
+        sock.sendall(frames.encode_frame(bytes((READY,))))
         serve(sock, sketches)
+    except (BrokenPipeError, ConnectionResetError):
+        return 0  # the server closed its end first: a normal stop
     except (OSError, ValueError, struct.error) as exc:  # FrameError is a ValueError
         print(f"pegaflow lookup sketches: {exc!r}", file=sys.stderr)
         return 1

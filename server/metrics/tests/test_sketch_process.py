@@ -29,6 +29,7 @@ def records(n_lookups: int, tag: str = "k", per: int = 32) -> list[LookupRecord]
 @pytest.fixture
 def proc():
     p = SketchProcess(WINDOWS, CAPACITY, restart_backoff_s=0.0, io_timeout_s=2.0)
+    assert p.wait_ready(), "the sketches' process did not start"
     yield p
     p.close()
 
@@ -100,17 +101,69 @@ def test_a_stalled_child_holds_the_feeder_for_one_timeout_then_is_replaced(proc)
             started = time.monotonic()
             proc.add(record)
             longest = max(longest, time.monotonic() - started)
-        # One add waits out one io_timeout_s (2 s), then a new child reads: no add waits much longer
-        # (timed per add, so a loaded machine's slower loop does not count against it).
+        # One add waits out one io_timeout_s (2 s), then a new child starts (its lookups wait in the
+        # backlog, never in the feeder) and reads: no add waits much longer (timed per add, so a
+        # loaded machine's slower loop does not count against it).
         assert 2.0 <= longest < 2.0 + 1.5
         assert proc.pid != stalled and proc.restarts == 1
-        assert proc.dropped_records == 1  # the frame that could not be handed over
+        assert proc.dropped_records >= 1  # the frame that could not be handed over, and any backlog overflow
     finally:
         try:
             os.kill(stalled, signal.SIGCONT)
         except ProcessLookupError:
             pass  # killed by the restart, as it should be
     assert proc.snapshot().requests > 0
+
+
+@pytest.mark.timeout(60)
+def test_a_starting_child_never_holds_the_feeder_and_gets_the_backlog_in_order():
+    p = SketchProcess(WINDOWS, CAPACITY, restart_backoff_s=0.0, io_timeout_s=2.0)
+    # Stopped while it imports (a fresh interpreter takes far longer to say READY than this takes):
+    # a child that cannot start yet, as on a loaded host at nice +10.
+    os.kill(p.pid, signal.SIGSTOP)
+    try:
+        record = records(1, per=64)
+        frame_bytes = len(encode_records(record))
+        n_adds = 2 * sketch_process.BACKLOG_BYTES // frame_bytes
+        longest = 0.0
+        for _ in range(n_adds):
+            started = time.monotonic()
+            p.add(record)
+            longest = max(longest, time.monotonic() - started)
+        assert longest < 1.0  # backlogged or dropped: never a wait on the socket
+        kept = sketch_process.BACKLOG_BYTES // frame_bytes
+        assert p.dropped_records == n_adds - kept
+        assert p.restarts == 0
+    finally:
+        os.kill(p.pid, signal.SIGCONT)
+    try:
+        assert p.wait_ready()
+        snap = p.snapshot()
+        assert snap is not None and snap.requests == kept * 64  # the backlog, every record once
+        p.add(records(2))
+        assert p.snapshot().requests == kept * 64 + 2 * 32 and p.restarts == 0
+    finally:
+        p.close()
+
+
+def test_a_child_that_never_becomes_ready_is_replaced():
+    p = SketchProcess(WINDOWS, CAPACITY, restart_backoff_s=0.0, io_timeout_s=0.5, start_timeout_s=1.0)
+    stopped = p.pid
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        p.add(records(3))  # backlogged
+        time.sleep(1.1)
+        assert p.snapshot() is None  # past the start timeout: killed, its backlog counted
+        assert p.dropped_records == 3 and p.pid is None
+        assert p.wait_ready(30.0) and p.pid != stopped and p.restarts == 1
+        p.add(records(1))
+        assert p.snapshot().requests == 32
+    finally:
+        try:
+            os.kill(stopped, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        p.close()
 
 
 @pytest.mark.timeout(30)
