@@ -285,7 +285,7 @@ class SketchProcess:
                         self.dropped_records += len(records)
                     return
                 frames.send_all(self._sock, frame, time.monotonic() + self.io_timeout_s)
-            except (OSError, ValueError) as exc:  # timeout included: a partial frame leaves the stream unusable
+            except (OSError, ValueError) as exc:  # a timeout too: a partial frame leaves the stream unusable
                 self.dropped_records += len(records)
                 self._fail_locked(f"feeding failed ({exc!r})")
 
