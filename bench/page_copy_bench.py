@@ -12,7 +12,7 @@ uses other pool slots and other vLLM blocks than the round before (1 GiB of pool
 layer), so each copy starts cache-cold, as a request's does.
 
 Three ways, timed in rotating order in the same process and the same round, single-threaded as
-the worker's transfer thread is: ``native`` (as shipped: connector/native/page_copy.c, streaming
+the worker's transfer thread is: ``native`` (as shipped: common/native/page_copy.c, streaming
 stores, the interpreter lock released), ``numpy`` (the same KvPages calls with the native copy
 off: numpy's copyto, i.e. memcpy per page; shipped until 2026-12-06) and ``torch`` (``Tensor.copy_``
 of the same strided views; before that). Per direction: GB/s median and worst round of each, and
@@ -34,8 +34,8 @@ import time
 import numpy as np
 import torch
 
+from pegaflow.common.native import page_copy
 from pegaflow.connector.kv_pages import KvPages, Run
-from pegaflow.connector.native import page_copy
 
 LAYERS, PAGE_BYTES, BLOCKS = 4, 256 << 10, 78
 VLLM_BLOCKS = 2000

@@ -48,6 +48,7 @@ import numpy as np
 
 from pegaflow.client import KvLayout, PegaClient, block_checksums, read_blocks, verify_blocks, write_blocks
 from pegaflow.client.save_pipeline import save_batches
+from pegaflow.common.native import page_copy
 from pegaflow.server.config import parse_size
 from pegaflow.server.testing import ServerProcess
 from pegaflow.server.tiers.dram.region import read_meminfo
@@ -226,6 +227,20 @@ def throughput(
             for _ in range(PER_ROUND):
                 np.copyto(out[k], plain_dst[k][plain_pos[k]])
 
+        # The client's block copies use streaming stores (common/native/page_copy.py) where the native
+        # copy is built: the same copy between plain arrays is the like-for-like reference for what the
+        # protocol costs (memcpy above stays the issue's bar).
+        stream = page_copy.NATIVE.get() if page_copy.is_native() else None
+
+        def stream_write(k: int, n: int = PER_ROUND) -> None:
+            for _ in range(n):
+                plain_pos[k] = (plain_pos[k] + 1) % ring
+                stream(plain_dst[k][plain_pos[k]], src[k].view(np.uint8))
+
+        def stream_read(k: int) -> None:
+            for _ in range(PER_ROUND):
+                stream(out[k].view(np.uint8), plain_dst[k][plain_pos[k]])
+
         def pool_write(k: int) -> None:  # rewrites the last saved blocks with the bytes they hold
             for _ in range(PER_ROUND):
                 write_blocks(c.pool_view(), last_allocs[k], src[k])
@@ -265,6 +280,18 @@ def throughput(
                 "load_checksummed_gbps",
                 "save_checksummed_vs_memcpy",
                 "load_checksummed_vs_memcpy",
+                # the streaming-store copy between plain arrays (only where the native copy is built)
+                *(
+                    (
+                        "stream_copy_write_gbps",
+                        "stream_copy_read_gbps",
+                        "save_vs_stream_copy",
+                        "load_vs_stream_copy",
+                        "save_pipelined_vs_stream_copy",
+                    )
+                    if stream is not None
+                    else ()
+                ),
             )
         }
         save_rpc, load_rpc, save_rpc_first, save_rpc_later = [], [], [], []
@@ -290,6 +317,9 @@ def throughput(
             )
             t_plain_stream = run_threads(plain_write_stream, inflight)
             pipe_share = sum(pipelined_blocks) / (PIPELINED_BATCHES * inflight * batch_blocks)
+            if stream is not None:
+                t_stream_pipe = run_threads(lambda k: stream_write(k, PIPELINED_BATCHES), inflight)
+                rows["save_pipelined_vs_stream_copy"].append(t_stream_pipe * pipe_share / t_save_pipe)
             pipelined_share.append(pipe_share)
             stream_bytes = PIPELINED_BATCHES * inflight * batch_blocks * block_bytes
             rows["save_pipelined_gbps"].append(stream_bytes * pipe_share / t_save_pipe / 1e9)
@@ -311,6 +341,13 @@ def throughput(
             rows["load_vs_memcpy"].append(t_plain_b / t_load)
             rows["save_vs_pool_memcpy"].append(t_pool_w / t_save)
             rows["load_vs_pool_memcpy"].append(t_pool_r / t_load)
+            if stream is not None:
+                t_stream_w = run_threads(stream_write, inflight)
+                t_stream_r = run_threads(stream_read, inflight)
+                rows["stream_copy_write_gbps"].append(round_bytes / t_stream_w / 1e9)
+                rows["stream_copy_read_gbps"].append(round_bytes / t_stream_r / 1e9)
+                rows["save_vs_stream_copy"].append(t_stream_w / t_save)
+                rows["load_vs_stream_copy"].append(t_stream_r / t_load)
         stats = c.stats()
     finally:
         c.close()
@@ -330,6 +367,7 @@ def throughput(
         "save_pipelined_vs_memcpy_worst": min(rows["save_pipelined_vs_memcpy"]),
         "save_pipelined_granted_share_min": min(pipelined_share),
         "load_vs_memcpy_worst": min(rows["load_vs_memcpy"]),
+        "client_copy": "native" if stream is not None else "numpy",
         "save_rpc_ms_median": med(save_rpc) * 1e3,
         # Allocate + seal of a thread's first batch in a round (the server idle for the references'
         # milliseconds before it) and of the batches after it: what a wake-up after idle costs.
@@ -509,6 +547,13 @@ def main() -> int:
         dest="ab",
         help="the same A/B with --read-lane off (queries and releases served by the engine)",
     )
+    ap.add_argument(
+        "--client-copy",
+        choices=["native", "numpy"],
+        default="native",
+        help="the client's block copies: streaming stores (common/native/page_copy.py, as shipped) or "
+        "numpy's copyto (as before 2026-12-06's fifth session)",
+    )
     ap.add_argument("--role", help=argparse.SUPPRESS)
     ap.add_argument("role_args", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -524,8 +569,12 @@ def main() -> int:
 
     rounds = 4 if args.quick else 12
     seconds = 4.0 if args.quick else 10.0
+    page_copy.start()
+    if not page_copy.use(args.client_copy == "native") and args.client_copy == "native":
+        raise SystemExit(f"the native copy is unavailable: {page_copy.EXTENSION.probe()}")
     results: dict = {
         "command": " ".join([os.path.relpath(sys.executable), *sys.argv]),
+        "client_copy": args.client_copy,
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
     }
     if args.wait_quiet:
@@ -774,6 +823,12 @@ def _row_line(row: dict) -> str:
         f"worst {row['save_pipelined_vs_memcpy_worst']:.0%})"
     )
     refs = f"memcpy {row['memcpy_gbps']:.1f} GB/s, pool memcpy {row['pool_memcpy_write_gbps']:.1f}"
+    if "stream_copy_write_gbps" in row:
+        refs += (
+            f", streaming copy {row['stream_copy_write_gbps']:.1f} (save / load / pipelined vs it "
+            f"{row['save_vs_stream_copy']:.0%} / {row['load_vs_stream_copy']:.0%} / "
+            f"{row['save_pipelined_vs_stream_copy']:.0%})"
+        )
     rpc = (
         f"rpc ms/batch {row['save_rpc_ms_median']:.2f}/{row['load_rpc_ms_median']:.2f} "
         f"(save: first of a round {row['save_rpc_ms_first_median']:.2f}, "
@@ -817,10 +872,13 @@ def _throughput_panel(ax, rows: list[dict], title: str) -> None:
     x = np.arange(len(rows))
     bars = [
         ("memcpy_gbps", "numpy memcpy, plain arrays", "#999999", None),
-        ("pool_memcpy_write_gbps", "numpy memcpy into pool, no RPC", "#cccccc", None),
+        ("pool_memcpy_write_gbps", "client's block copy into pool, no RPC", "#cccccc", None),
         ("save_gbps", "save via pool (incl. RPCs)", "#1f77b4", "save_vs_memcpy"),
         ("load_gbps", "load via pool (incl. RPCs)", "#2ca02c", "load_vs_memcpy"),
     ]
+    if rows and "stream_copy_write_gbps" in rows[0]:
+        bars.insert(1, ("stream_copy_write_gbps", "streaming-store copy, plain arrays", "#666666", None))
+        bars.append(("save_pipelined_gbps", "save, pipelined", "#6baed6", "save_pipelined_vs_memcpy"))
     if rows and "save_checksummed_gbps" in rows[0]:
         bars += [
             ("save_checksummed_gbps", "save + writer's checksums", "#9ecae1", "save_checksummed_vs_memcpy"),

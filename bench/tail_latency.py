@@ -66,7 +66,7 @@ SETTLE_S = 1.0
 SPIN_S = 0.001  # the baselines' client: as our local RPC client (client/local_rpc.py SPIN_S)
 ALL_SYSTEMS = (
     "asyncio", "uvloop", "zmq", "ours", "ours-nolane", "ours-nospin", "ours-pywait", "ours-5ms",
-    "ours-noinsights", "ours-noreserve", "ours-si", "ours-sketch-thread", "pegaflow",
+    "ours-noinsights", "ours-noreserve", "ours-si", "ours-sketch-thread", "ours-released", "pegaflow",
 )  # fmt: skip
 # Variants of ours (run_ours): "ours-5ms" leaves CPython's 5 ms GIL switch interval (the GPU data path
 # lowers it to 0.2 ms by default); "ours-noinsights" switches the lookup sketches (HLL ceiling and
@@ -80,7 +80,10 @@ ALL_SYSTEMS = (
 # for up to 1 ms first (client/read_lane.py SPIN_S): one release of its interpreter lock per query,
 # not one per poll, which other threads of its process may take meanwhile; "ours-pywait": every client
 # of the run (the measuring one and the load's) waits for its answers in Python, polling, as before
-# 2026-12-06, instead of natively outside the interpreter lock (client/native/frame_wait.py).
+# 2026-12-06, instead of natively outside the interpreter lock (client/native/frame_wait.py);
+# "ours-released": every client of the run lets go of the interpreter lock at once to wait for a
+# query's answer, as before 2026-12-06's fifth session, instead of keeping it for the first
+# QUERY_HOLD_LOCK_S (client/sync.py).
 OURS_VARIANTS = {
     "ours-nolane": {"args": ["--read-lane", "off"]},
     "ours-nospin": {"client_spin_s": 0.0},
@@ -89,6 +92,7 @@ OURS_VARIANTS = {
     "ours-noinsights": {"no_insights": True},
     "ours-noreserve": {"args": ["--free-reserve", "0"]},
     "ours-sketch-thread": {"args": ["--lookup-sketches", "thread"]},
+    "ours-released": {"query_hold_lock_s": 0.0},
 }
 
 
@@ -724,8 +728,10 @@ def phases(args, query, spec: dict, out: pathlib.Path, placements, env=None, in_
 def client_answer_wait(system: str) -> str:
     """How this process's pegaflow clients wait for answers in this system's run: natively (the
     client as shipped, once its module is proven) or in Python (the "ours-pywait" variant)."""
+    from pegaflow.client import sync
     from pegaflow.client.native import frame_wait
 
+    sync.QUERY_HOLD_LOCK_S = OURS_VARIANTS.get(system, {}).get("query_hold_lock_s", sync.QUERY_HOLD_LOCK_S)
     if OURS_VARIANTS.get(system, {}).get("python_wait"):
         frame_wait.use(False)
         return "python"
@@ -855,6 +861,9 @@ def run_ours(args, out: pathlib.Path, system: str = "ours", switch_interval: flo
             tag = _layout_tag(tensors, [1] * L)
         hashes = new_hashes(NQ)
         res["client_answer_wait"] = client_answer_wait(system)
+        from pegaflow.client import sync as client_sync
+
+        res["query_hold_lock_s"] = client_sync.QUERY_HOLD_LOCK_S
         local = PegaClient(addr, timeout_s=30.0, name="tail-local")
         local.connect()
         clients.append(local)

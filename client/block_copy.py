@@ -1,9 +1,15 @@
-"""Copying KV blocks between caller arrays and the mapped pool, in as few numpy copies as possible.
+"""Copying KV blocks between caller arrays and the mapped pool, in as few copies as possible.
 
 Adjacent pool locations whose source rows are adjacent too are merged into one
 copy (a fresh slab hands out consecutive slots, so a batch is usually a few
-long runs). Large numpy copies release the GIL, so other threads (the
-heartbeat, another rank's requests) keep running while bytes move.
+long runs). A run of whole rows goes through common/native/page_copy.py: one
+call, the interpreter lock released, streaming stores for blocks of 64 KiB and
+more. A save writes pool slots nobody reads next, and a load's destination is
+usually cold too: stores that skip reading each destination line first ran
+~1.7x numpy's copyto (glibc memcpy) for 16 MiB batches of 256 KiB blocks on
+the 2-vCPU AMD VM (bench/server_bench.py has the full rows). Until the native
+copy is built and proven (or with PEGAFLOW_NATIVE_COPY=0) it is numpy's, which
+also releases the lock for large copies.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pegaflow.common.native import page_copy
 from pegaflow.common.wire.checksum import checksum
 
 
@@ -65,8 +72,8 @@ def write_blocks(view: np.ndarray, locations: Sequence, blocks) -> int:
     copied = 0
     for first, count, offset, length in _runs(locations):
         if rows2d and blocks.shape[1] * blocks.itemsize == length:
-            src = blocks[first : first + count].reshape(-1).view(np.uint8)
-            np.copyto(view[offset : offset + count * length], src)
+            src = blocks[first : first + count].view(np.uint8)
+            page_copy.copy(view[offset : offset + count * length].reshape(count, length), src)
         else:
             for k in range(count):
                 start = offset + k * length
@@ -85,8 +92,8 @@ def read_blocks(view: np.ndarray, locations: Sequence, out) -> int:
     copied = 0
     for first, count, offset, length in _runs(locations):
         if rows2d and out.shape[1] * out.itemsize == length:
-            dst = out[first : first + count].reshape(-1).view(np.uint8)
-            np.copyto(dst, view[offset : offset + count * length])
+            dst = out[first : first + count].view(np.uint8)
+            page_copy.copy(dst, view[offset : offset + count * length].reshape(count, length))
         else:
             for k in range(count):
                 start = offset + k * length

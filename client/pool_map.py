@@ -29,6 +29,7 @@ import time
 import numpy as np
 
 from pegaflow.client.errors import ServerUnavailable
+from pegaflow.common.native import page_copy
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class PoolMapping:
         self._released = False
         self._stop_populate = threading.Event()
         self.populated = threading.Event()  # set once the page tables are filled (or that was given up)
+        page_copy.start()  # the block copies' streaming stores, built on a thread (numpy's until then)
 
     @classmethod
     def open(cls, socket_path: str, session_id: str, timeout_s: float) -> PoolMapping:

@@ -42,6 +42,13 @@ from pegaflow.common.wire import read_lane as lane_wire
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
 
+# A query's answer comes back over the read lane in ~0.05-0.2 ms. Waited for with the interpreter
+# lock released, the caller must then win the lock back, which any busy Python thread of its process
+# can delay by a switch interval (5 ms). So a query keeps the lock while it waits, for up to this
+# long (FrameLink.call's held_s); other threads' Python waits at most this long per query. Read at
+# each call (bench/tail_latency.py's "ours-released" sets 0: every wait lets go, as before).
+QUERY_HOLD_LOCK_S = 0.0005
+
 
 class PegaClient(ClientBase):
     def __init__(self, *args, local_rpc: bool = True, read_lane: bool = True, **kwargs):
@@ -161,15 +168,18 @@ class PegaClient(ClientBase):
         lease_ttl_s: float | None = None,
         timeout_s: float | None = None,
         purpose: QueryPurpose = QueryPurpose.LOOKUP,
-        hold_lock_s: float = 0.0,
+        hold_lock_s: float | None = None,
     ) -> PrefixHit:
         """Number of leading stored blocks; with ``lease`` they stay pinned until ``release``.
 
         ``purpose``: LOOKUP (a block request, counted in the server's hit statistics) or LOAD (the
         load of blocks a LOOKUP already counted, e.g. a worker leasing what its scheduler found).
         ``hold_lock_s``: through the read lane, the request is sent and its answer waited for up to
-        this long without releasing the interpreter lock (client/frame_link.py says when that pays).
+        this long without releasing the interpreter lock (client/frame_link.py says when that pays);
+        None: ``QUERY_HOLD_LOCK_S``.
         """
+        if hold_lock_s is None:
+            hold_lock_s = QUERY_HOLD_LOCK_S
         conn = self._require()
         if conn.lane is not None:
             hit = self._lane_query(conn, inst, hashes, lease, lease_ttl_s, timeout_s, purpose, hold_lock_s)

@@ -10,7 +10,7 @@ block for one rank, laid out layer after layer in one contiguous pool location:
 
 Copies go one per run of blocks that are consecutive both in vLLM's cache and in the pool, per
 layer, never per byte: a page-by-page copy of two strided byte views, outside the interpreter
-lock, with streaming stores once native/page_copy.c is built (numpy's copyto, i.e. memcpy per page,
+lock, with streaming stores once common/native/page_copy.c is built (numpy's copyto, i.e. memcpy per page,
 until then). Measured for a warm 10K-token load's pages (bench/page_copy_bench.py): torch's
 ``copy_`` of the same views ran ~30 % slower than numpy's, and numpy's memcpy slower than the
 streaming copy: CPU the load takes from the forward beside it.
@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pegaflow.connector.native import page_copy
+from pegaflow.common.native import page_copy
 
 
 class LayoutMismatch(Exception):

@@ -2,7 +2,9 @@
 
 Each folder's BUILD.bazel calls `pytest_tests()` once; adding a test file needs
 no BUILD edit. Files named `test_e2e_*.py` (real vLLM, many processes) run one
-at a time (tag "exclusive") with a long timeout. Every test runs through
+at a time (tag "exclusive") with a long timeout, except those a BUILD lists in
+`shares_machine` (server-only end-to-end files: a few processes, no vLLM), which
+keep the long timeout and run beside one other test, as ordinary files do. Every test runs through
 tools/python/test_main.py, which gives it pip's import semantics, a short
 private TMPDIR/TEST_TMPDIR and a HOME of its own.
 """
@@ -19,9 +21,11 @@ def _target_name(src):
     parts = src[:-len(".py")].split("/")
     return "_".join([p for p in parts if p != "tests"])
 
-def pytest_test(name, src, deps = [], data = [], tags = [], timeout = None, args = [], **kwargs):
-    """One pytest file as a py_test."""
+def pytest_test(name, src, deps = [], data = [], tags = [], timeout = None, args = [], alone = None, **kwargs):
+    """One pytest file as a py_test. alone: tag "exclusive" (None: for test_e2e_* files)."""
     heavy = src.split("/")[-1].startswith("test_e2e_")
+    if alone == None:
+        alone = heavy
     native.py_test(
         name = name,
         srcs = [src, _MAIN],
@@ -31,7 +35,7 @@ def pytest_test(name, src, deps = [], data = [], tags = [], timeout = None, args
         deps = deps + ["//:pegaflow"],
         python_version = "PY3",
         srcs_version = "PY3",
-        tags = tags + (["exclusive"] if heavy else []),
+        tags = tags + (["exclusive"] if alone else []),
         timeout = timeout or (_HEAVY_TIMEOUT if heavy else _TIMEOUT),
         **kwargs
     )
@@ -54,13 +58,15 @@ def py_module_test(name, module, heavy = False, deps = [], tags = [], timeout = 
         **kwargs
     )
 
-def pytest_tests(deps = [], data = [], names = {}):
+def pytest_tests(deps = [], data = [], names = {}, shares_machine = []):
     """A py_test for every **/tests/test_*.py of this package.
 
     names: {test file: target name} for files whose target a README names otherwise, e.g.
     {"tests/test_e2e_mla_dedup.py": "mla_dedup"} makes `bazel test //bench:mla_dedup` run it.
     (Not an `alias`: Bazel 4.2.3 does not expand aliases for `bazel test`, so one would run
     nothing.) `bazel test //...` still runs each file exactly once.
+    shares_machine: test_e2e_* files that need not run alone (no vLLM; bounds that hold beside
+    another test), so that CI's serial part is only the vLLM files.
 
     Helpers next to the tests (conftest.py and any other non-test module or file
     under a tests/ folder) go into every test's runfiles.
@@ -86,4 +92,5 @@ def pytest_tests(deps = [], data = [], names = {}):
             src = src,
             deps = deps + ([":test_support"] if support_py else []),
             data = data + ([] if support_py else support_data),
+            alone = False if src in shares_machine else None,
         )

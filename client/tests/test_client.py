@@ -325,3 +325,31 @@ def test_releases_sent_without_waiting_all_reach_the_server(inproc_server):
             c.release(hit.lease_id, loaded_bytes=BLOCK, wait=False)
         wait_for(lambda: c.stats().live_leases == 0)
         assert c.stats().load_bytes == 50 * BLOCK  # every one arrived (none expired at its TTL)
+
+
+def test_a_query_keeps_the_interpreter_lock_for_its_first_wait_unless_told_not_to(inproc_server, monkeypatch):
+    """client/sync.py QUERY_HOLD_LOCK_S: every read-lane query waits held by default, the caller's
+    hold_lock_s overrides it, and the module value is read at each call."""
+    from pegaflow.client import sync
+    from pegaflow.client.frame_link import FrameLink
+
+    default = sync.QUERY_HOLD_LOCK_S
+    assert default > 0
+    seen: list[float] = []
+    call = FrameLink.call
+
+    def spy(self, frame, deadline, held_s=0.0):
+        seen.append(held_s)
+        return call(self, frame, deadline, held_s)
+
+    monkeypatch.setattr(FrameLink, "call", spy)
+    with PegaClient(inproc_server.address, timeout_s=10.0) as c:
+        inst = c.register_instance(LAYOUT)
+        c.seal(c.allocate(inst, [b"h1", b"h2"]).save_id)
+        assert c._conn.lane is not None
+        assert c.query_prefix(inst, [b"h1", b"h2"]).num_hits == 2
+        assert c.query_prefix(inst, [b"h1"], hold_lock_s=0.0).num_hits == 1
+        monkeypatch.setattr(sync, "QUERY_HOLD_LOCK_S", 0.003)
+        hit = c.query_prefix(inst, [b"h1", b"h2"], lease=True)
+        c.release(hit.lease_id)
+    assert seen[:3] == [default, 0.0, 0.003]

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from pegaflow.common.native import page_copy
 from pegaflow.connector.kv_pages import KvPages, LayoutMismatch, Run, copy_units, plan_runs
 
 NUM_BLOCKS, HEADS, TOKENS, WIDTH, LAYERS = 16, 2, 8, 16, 3
@@ -180,3 +181,25 @@ def test_a_numpy_pool_as_the_worker_passes_it_and_pools_that_are_not_flat_bytes_
             src.save_blocks(bad, [Run(0, 0, 1)])
         with pytest.raises(ValueError, match="flat byte array"):
             dst.load_layer(bad, [Run(0, 0, 1)], 0)
+
+
+def test_kv_pages_load_and_save_the_same_bytes_native_or_not():
+    layers, blocks, page = 2, 6, 80 * 1024
+    caches = {f"l{i}": torch.randint(0, 100, (blocks, page // 2), dtype=torch.int16) for i in range(layers)}
+    kv = KvPages(caches, blocks, list(caches))
+    pools = []
+    for native in (False, True):
+        assert page_copy.use(native), page_copy.EXTENSION.probe()
+        pool = np.zeros(blocks * layers * page + 7, dtype=np.uint8)
+        kv.save_blocks(pool, [Run(1, 7, 3), Run(4, 7 + 3 * layers * page, 2)])
+        pools.append(pool)
+    assert np.array_equal(pools[0], pools[1])
+    wanted = [kv.block_bytes_of(b) for b in range(1, 6)]
+    for native in (False, True):
+        assert page_copy.use(native), page_copy.EXTENSION.probe()
+        for t in caches.values():
+            t.zero_()
+        for layer in range(layers):
+            kv.load_layer(pools[0], [Run(1, 7, 5)], layer)
+        assert [kv.block_bytes_of(b) for b in range(1, 6)] == wanted
+    page_copy.use(True)

@@ -1,9 +1,10 @@
-"""Host KV page copies with streaming stores, outside the interpreter lock (page_copy.c says why).
+"""Host byte copies with streaming stores, outside the interpreter lock (page_copy.c says why).
 
 ``copy(dst, src)`` is ``np.copyto(dst, src)`` for two ``[pages, page_bytes]`` byte views whose
-pages are contiguous (kv_pages.py's views of vLLM's pages and of the pool). It is native once
-``start()`` has built the module and proven it in a child process (common/native/), which happens on
-a thread of its own, so no engine waits for a compiler; until then, where it cannot be built or
+pages are contiguous: the connector's views of vLLM's pages and of the pool (connector/kv_pages.py),
+the client's runs of blocks into and out of the pool (client/block_copy.py). It is native once
+``start()`` has built the module and proven it in a child process (extension.py), which happens on
+a thread of its own, so no caller waits for a compiler; until then, where it cannot be built or
 proven, or with ``PEGAFLOW_NATIVE_COPY=0``, it is numpy's.
 """
 
@@ -17,7 +18,7 @@ import numpy as np
 from pegaflow.common.native.extension import NativeExtension
 from pegaflow.common.native.optional import OptionalNative
 
-log = logging.getLogger("vllm.pegaflow.connector")
+log = logging.getLogger(__name__)
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "page_copy.c")
 ENV_SWITCH = "PEGAFLOW_NATIVE_COPY"
@@ -47,8 +48,8 @@ for bad in ((a, narrow), (a, a), (read_only, a)):
         raise AssertionError("copy_pages accepted %r" % (bad,))
 """
 
-EXTENSION = NativeExtension(SOURCE, "_pegaflow_page_copy", _CHILD, "the connector's native page copy")
-NATIVE = OptionalNative(EXTENSION, "copy_pages", ENV_SWITCH, "the connector copies pages with numpy", log)
+EXTENSION = NativeExtension(SOURCE, "_pegaflow_page_copy", _CHILD, "the native page copy")
+NATIVE = OptionalNative(EXTENSION, "copy_pages", ENV_SWITCH, "host page copies use numpy", log)
 start = NATIVE.start
 use = NATIVE.use
 is_native = NATIVE.is_native

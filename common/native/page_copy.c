@@ -10,6 +10,8 @@
  * against 13.6 for saves, single thread (bench/page_copy_bench.py, medians of 40 rounds,
  * bench/results/page_copy_2026-12-06_native.json). The bytes are read next by
  * the forward, layer by layer, long after this copy evicted them from the cache either way.
+ * The client's block copies into and out of the pool (client/block_copy.py) use it too: a save's
+ * pool slots are read by nobody soon, so the same reasoning holds (bench/server_bench.py).
  *
  *   copy_pages(dst, src) -> int
  *

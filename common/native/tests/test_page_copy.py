@@ -1,6 +1,7 @@
-"""The connector's native page copy (connector/native/page_copy.c) against numpy's copyto it
-replaces: the same bytes for the strided views KvPages copies (pages below and above the streaming
-threshold, misaligned starts, both directions), the same refusals, and nothing written on a refusal."""
+"""The native page copy (common/native/page_copy.c) against numpy's copyto it replaces: the same
+bytes for the strided views the connector's KvPages and the client's block copies hand it (pages
+below and above the streaming threshold, misaligned starts, both directions), the same refusals,
+and nothing written on a refusal."""
 
 from __future__ import annotations
 
@@ -8,11 +9,9 @@ import logging
 
 import numpy as np
 import pytest
-import torch
 
+from pegaflow.common.native import page_copy
 from pegaflow.common.native.optional import OptionalNative
-from pegaflow.connector.kv_pages import KvPages, Run
-from pegaflow.connector.native import page_copy
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -73,28 +72,6 @@ def test_the_native_copy_refuses_what_numpy_would_not_copy_and_writes_nothing():
         native(read_only, src)
     assert not dst.any() and not pool.any() and not read_only.any()
     assert native(dst, src) == dst.nbytes and dst.all()
-
-
-def test_kv_pages_load_and_save_the_same_bytes_native_or_not():
-    layers, blocks, page = 2, 6, 80 * 1024
-    caches = {f"l{i}": torch.randint(0, 100, (blocks, page // 2), dtype=torch.int16) for i in range(layers)}
-    kv = KvPages(caches, blocks, list(caches))
-    pools = []
-    for native in (False, True):
-        assert page_copy.use(native), page_copy.EXTENSION.probe()
-        pool = np.zeros(blocks * layers * page + 7, dtype=np.uint8)
-        kv.save_blocks(pool, [Run(1, 7, 3), Run(4, 7 + 3 * layers * page, 2)])
-        pools.append(pool)
-    assert np.array_equal(pools[0], pools[1])
-    wanted = [kv.block_bytes_of(b) for b in range(1, 6)]
-    for native in (False, True):
-        assert page_copy.use(native), page_copy.EXTENSION.probe()
-        for t in caches.values():
-            t.zero_()
-        for layer in range(layers):
-            kv.load_layer(pools[0], [Run(1, 7, 5)], layer)
-        assert [kv.block_bytes_of(b) for b in range(1, 6)] == wanted
-    page_copy.use(True)
 
 
 def test_switched_off_it_is_never_built(monkeypatch):
