@@ -203,29 +203,44 @@ def test_async_client_roundtrip_and_reconnect(tmp_path):
         srv.stop()
 
 
-def test_block_copy_merges_adjacent_runs_and_skips_ungranted():
-    pool = np.zeros(64 * 1024, dtype=np.uint8)
-    rows = np.random.default_rng(3).integers(0, 256, size=(5, 1024), dtype=np.uint8)
-    locs = [
-        Allocation(AllocStatus.GRANTED, 0, 1024),
-        Allocation(AllocStatus.GRANTED, 1024, 1024),  # adjacent: one copy with the first
-        Allocation(AllocStatus.EXISTS),  # skipped
-        Allocation(AllocStatus.GRANTED, 8192, 1024),
-        Allocation(AllocStatus.GRANTED, 4096, 1024),  # not adjacent to the previous one
-    ]
-    assert write_blocks(pool, locs, rows) == 4 * 1024
-    assert np.array_equal(pool[0:2048], rows[0:2].reshape(-1))
-    assert np.array_equal(pool[8192:9216], rows[3]) and np.array_equal(pool[4096:5120], rows[4])
-    out = np.zeros_like(rows)
-    assert read_blocks(pool, locs, out) == 4 * 1024
-    assert np.array_equal(out[[0, 1, 3, 4]], rows[[0, 1, 3, 4]]) and not out[2].any()
-    listed = [np.empty(1024, dtype=np.uint8) for _ in range(2)]
-    read_blocks(pool, [Location(8192, 1024), Location(0, 1024)], listed)
-    assert np.array_equal(listed[0], rows[3]) and np.array_equal(listed[1], rows[0])
-    with pytest.raises(ValueError):
-        write_blocks(pool, [Location(64 * 1024 - 10, 1024)], rows[:1])
-    with pytest.raises(ValueError):
-        write_blocks(pool, [Location(0, 512)], rows[:1])
+@pytest.mark.parametrize("copy_mode", ["numpy", "native"])
+@pytest.mark.parametrize("B", [1024, 96 * 1024 + 8])  # below / above the streaming-store threshold
+def test_block_copy_merges_adjacent_runs_and_skips_ungranted(copy_mode, B):
+    from pegaflow.common.native import page_copy
+
+    was = page_copy.is_native()
+    assert page_copy.use(copy_mode == "native"), page_copy.EXTENSION.probe()
+    try:
+        pool = np.zeros(64 * B, dtype=np.uint8)
+        rows = np.random.default_rng(3).integers(0, 256, size=(5, B), dtype=np.uint8)
+        locs = [
+            Allocation(AllocStatus.GRANTED, 0, B),
+            Allocation(AllocStatus.GRANTED, B, B),  # adjacent: one copy with the first
+            Allocation(AllocStatus.EXISTS),  # skipped
+            Allocation(AllocStatus.GRANTED, 8 * B, B),
+            Allocation(AllocStatus.GRANTED, 4 * B, B),  # not adjacent to the previous one
+        ]
+        assert write_blocks(pool, locs, rows) == 4 * B
+        assert np.array_equal(pool[0 : 2 * B], rows[0:2].reshape(-1))
+        assert np.array_equal(pool[8 * B : 9 * B], rows[3]) and np.array_equal(pool[4 * B : 5 * B], rows[4])
+        assert not pool[2 * B : 4 * B].any() and not pool[5 * B : 8 * B].any() and not pool[9 * B :].any()
+        out = np.zeros_like(rows)
+        assert read_blocks(pool, locs, out) == 4 * B
+        assert np.array_equal(out[[0, 1, 3, 4]], rows[[0, 1, 3, 4]]) and not out[2].any()
+        listed = [np.empty(B, dtype=np.uint8) for _ in range(2)]
+        read_blocks(pool, [Location(8 * B, B), Location(0, B)], listed)
+        assert np.array_equal(listed[0], rows[3]) and np.array_equal(listed[1], rows[0])
+        wide = rows[:2].view(np.uint16) if B % 2 == 0 else None  # rows of another dtype, same bytes
+        if wide is not None:
+            again = np.zeros_like(pool)
+            write_blocks(again, locs[:2], wide)
+            assert np.array_equal(again[: 2 * B], rows[:2].reshape(-1))
+        with pytest.raises(ValueError):
+            write_blocks(pool, [Location(64 * B - 10, B)], rows[:1])
+        with pytest.raises(ValueError):
+            write_blocks(pool, [Location(0, B // 2)], rows[:1])
+    finally:
+        page_copy.use(was)
 
 
 def test_backoff_grows_jittered_and_caps():

@@ -57,9 +57,10 @@ is_native = NATIVE.is_native
 
 def copy(dst: np.ndarray, src: np.ndarray) -> None:
     """Copies ``src`` into ``dst``: two byte arrays of one shape ``[pages, page_bytes]``, each page
-    contiguous, that do not overlap."""
+    contiguous. Views that may overlap (e.g. two runs of one pool) go to numpy, which copies them as
+    if through a temporary; the native copy refuses them."""
     native = NATIVE.get()
-    if native is None:
+    if native is None or np.may_share_memory(dst, src):
         np.copyto(dst, src)
     else:
         native(dst, src)

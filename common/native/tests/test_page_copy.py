@@ -74,6 +74,14 @@ def test_the_native_copy_refuses_what_numpy_would_not_copy_and_writes_nothing():
     assert native(dst, src) == dst.nbytes and dst.all()
 
 
+def test_overlapping_views_are_copied_as_numpy_copies_them(copy_mode):
+    pool = np.arange(8 * 70000, dtype=np.int64).view(np.uint8)[: 6 * 70000].copy()
+    expected = pool.copy()
+    np.copyto(expected[70000 : 5 * 70000].reshape(2, -1), expected[: 4 * 70000].reshape(2, -1))
+    page_copy.copy(pool[70000 : 5 * 70000].reshape(2, -1), pool[: 4 * 70000].reshape(2, -1))
+    assert np.array_equal(pool, expected)
+
+
 def test_switched_off_it_is_never_built(monkeypatch):
     monkeypatch.setenv("PEGAFLOW_TEST_NATIVE_OFF", "0")
     log = logging.getLogger("test")
