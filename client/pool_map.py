@@ -21,7 +21,6 @@ import json
 import logging
 import mmap
 import os
-import select
 import socket
 import threading
 import time
@@ -30,6 +29,7 @@ import numpy as np
 
 from pegaflow.client.errors import ServerUnavailable
 from pegaflow.common.native import page_copy
+from pegaflow.common.wire.frames import readable
 
 log = logging.getLogger(__name__)
 
@@ -170,8 +170,7 @@ class PoolMapping:
         if sock is None:
             return True
         try:
-            readable, _, _ = select.select([sock], [], [], 0)
-            if not readable:
+            if not readable(sock, 0):
                 return False
             return sock.recv(1, socket.MSG_PEEK) == b""
         except BlockingIOError:

@@ -225,6 +225,14 @@ def _wait(poller, deadline: float | None) -> None:
 # ------------------------------------------------------------------ waiting
 
 
+def readable(sock, timeout_s: float) -> bool:
+    """Whether ``sock`` (a socket or an fd) has something to read (data, EOF or an error) within
+    ``timeout_s``. poll, not select: a busy server's descriptors pass select's limit of 1024."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(max(int(timeout_s * 1000), 0)))
+
+
 def spin_until_readable(poller, spin_s: float, yield_cpu: bool) -> bool:
     """Polls ``poller`` (a select.poll with the socket registered for POLLIN) without sleeping for up
     to ``spin_s``; True as soon as it is readable, False when the spin is over (the caller then sleeps

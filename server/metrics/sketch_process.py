@@ -45,7 +45,6 @@ import fcntl
 import json
 import logging
 import os
-import select
 import signal
 import socket
 import struct
@@ -213,8 +212,7 @@ class SketchProcess:
             return True
         give_up = self._started_at + self.start_timeout_s
         wait = max(0.0, min(timeout_s, give_up - time.monotonic()))
-        readable, _, _ = select.select([self._sock], [], [], wait)
-        if not readable:
+        if not frames.readable(self._sock, wait):
             if time.monotonic() >= give_up:
                 raise TimeoutError(f"not ready {self.start_timeout_s:.0f} s after its start")
             return False
@@ -243,8 +241,7 @@ class SketchProcess:
         give_up = time.monotonic() + self.start_timeout_s
         unread = self._unread_bytes()
         while True:
-            readable, _, _ = select.select([self._sock], [], [], self.io_timeout_s)
-            if readable:
+            if frames.readable(self._sock, self.io_timeout_s):
                 return frames.read_frame(self._sock, MAX_FRAME_BYTES, time.monotonic() + self.io_timeout_s)
             now_unread = self._unread_bytes()
             if now_unread >= unread or time.monotonic() >= give_up:

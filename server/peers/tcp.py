@@ -30,7 +30,6 @@ import enum
 import heapq
 import itertools
 import logging
-import select
 import socket
 import threading
 import time
@@ -40,6 +39,7 @@ from concurrent.futures import Future
 from pegaflow.common.auth import ClientAuth
 from pegaflow.common.wire import peer_frames as frames
 from pegaflow.common.wire.checksum import checksum
+from pegaflow.common.wire.frames import readable
 from pegaflow.server.peers import sockets
 from pegaflow.server.peers.base import (
     BlockStatus,
@@ -398,8 +398,7 @@ class _Stream:
         sock = self._sock
         if sock is None:
             return True
-        readable, _, _ = select.select([sock], [], [], 0)
-        return bool(readable)
+        return readable(sock, 0)
 
     @staticmethod
     def _unexpected(head: frames.FrameHeader, transfer_id: bytes, extent: RemoteExtent) -> str:

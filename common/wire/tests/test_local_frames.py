@@ -4,6 +4,8 @@ cleanly (FrameError, never anything else)."""
 
 from __future__ import annotations
 
+import os
+import resource
 import socket
 import threading
 import time
@@ -205,3 +207,24 @@ def test_torch_handles_are_unwrapped_to_the_raw_ipc_handle():
         raw_ipc_handle(b"\x02e" + b"\x00" * 40)
     with pytest.raises(ValueError, match="unrecognised"):
         raw_ipc_handle(b"\x02x" + RAW)
+
+
+def test_readable_sees_data_and_eof_and_takes_descriptors_past_select_s_limit():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2100:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard}: cannot open descriptor 2048")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2100), hard))
+    a, b = socket.socketpair()
+    high = os.dup2(a.fileno(), 2048)  # where select() raises ValueError
+    try:
+        assert not frames.readable(high, 0)
+        b.sendall(b"x")
+        assert frames.readable(high, 0.5)
+        os.read(high, 1)
+        assert not frames.readable(a, 0.01)
+        b.close()
+        assert frames.readable(a, 0.5)  # EOF reads as readable
+    finally:
+        os.close(high)
+        a.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
