@@ -54,7 +54,9 @@ def run_writer(paths, engine, count, kill_after_writes=None, then="exit", first=
         "--first",
         str(first),
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # Block-buffered stdout, as under Bazel: what the child did not flush dies with it.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     events, buf, writes = [], b"", 0
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)

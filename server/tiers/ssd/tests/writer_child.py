@@ -4,7 +4,7 @@
         [--capacity C] [--segment S] [--in-flight K] [--then hang|exit]
 
 Prints one line per event, flushed at once, so the parent knows what was acknowledged before it
-SIGKILLs us: ``W <tag> <address>`` when a write's future said OK, ``F <tag>`` when a block was
+SIGKILLs us: ``W <tag> <address>`` when a write's future said OK, ``F <tag>`` just before a block is
 freed (FIFO, oldest first, when allocate returned nothing: what the store does), ``READY`` after
 recovery, ``DONE`` after the last write. Block bytes are support.payload(tag), so any process
 can check what it reads. With ``--then hang`` it waits after DONE to be killed.
@@ -47,8 +47,12 @@ def main() -> None:
         ext = tier.allocate(a.block, k)
         while len(ext) < k and live:
             tag, victim = live.popleft()
-            tier.free([victim])
+            # Said (and flushed) before the free: the tier writes the emptied segment's next header
+            # at once, so a kill right after the free must not leave the parent thinking the
+            # block is still live.
             out.write(f"F {tag.decode()}\n")
+            out.flush()
+            tier.free([victim])
             ext += tier.allocate(a.block, k - len(ext))
         if not ext:
             raise SystemExit("writer_child: the tier has no space and nothing to free")
