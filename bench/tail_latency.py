@@ -725,14 +725,16 @@ def phases(args, query, spec: dict, out: pathlib.Path, placements, env=None, in_
 # ------------------------------------------------------------------ ours
 
 
-def client_answer_wait(system: str) -> str:
-    """How this process's pegaflow clients wait for answers in this system's run: natively (the
-    client as shipped, once its module is proven) or in Python (the "ours-pywait" variant)."""
+def configure_client_waits(system: str) -> str:
+    """Sets how this process's pegaflow clients wait for answers in this system's run (the read
+    lane's held-lock window; native or Python waits) and returns which wait is in use: natively
+    (the client as shipped, once its module is proven) or in Python (the "ours-pywait" variant)."""
     from pegaflow.client import sync
     from pegaflow.client.native import frame_wait
 
-    sync.QUERY_HOLD_LOCK_S = OURS_VARIANTS.get(system, {}).get("query_hold_lock_s", sync.QUERY_HOLD_LOCK_S)
-    if OURS_VARIANTS.get(system, {}).get("python_wait"):
+    variant = OURS_VARIANTS.get(system, {})
+    sync.QUERY_HOLD_LOCK_S = variant.get("query_hold_lock_s", sync.QUERY_HOLD_LOCK_S)
+    if variant.get("python_wait"):
         frame_wait.use(False)
         return "python"
     return "native" if frame_wait.use(True) else f"python ({frame_wait.EXTENSION.probe()})"
@@ -741,7 +743,7 @@ def client_answer_wait(system: str) -> str:
 def ours_factories(spec: dict, hashes: list[bytes]):
     from pegaflow.client import PegaClient
 
-    client_answer_wait(spec["system"])
+    configure_client_waits(spec["system"])
 
     layout = _ours_layout(spec["layout_tag"])
     registration = pickle.loads(base64.b64decode(spec["registration"])) if spec.get("registration") else None
@@ -860,7 +862,7 @@ def run_ours(args, out: pathlib.Path, system: str = "ours", switch_interval: flo
             registration = export_torch_kv(tensors, [1] * L, NB)
             tag = _layout_tag(tensors, [1] * L)
         hashes = new_hashes(NQ)
-        res["client_answer_wait"] = client_answer_wait(system)
+        res["client_answer_wait"] = configure_client_waits(system)
         from pegaflow.client import sync as client_sync
 
         res["query_hold_lock_s"] = client_sync.QUERY_HOLD_LOCK_S

@@ -63,24 +63,30 @@ class ProcessGroup:
         """SIGSTOP the group; returns once every thread of every process is stopped (state T).
 
         A process caught inside vfork (Python's subprocess spawns that way) cannot stop: it waits,
-        uninterruptibly, for its child to exec, and the child has just been stopped before it
-        could. Such a group never settles, so an attempt that has not settled within
-        `SETTLE_S` is released (SIGCONT), given a moment to finish the spawn, and stopped again.
+        uninterruptibly (D), for its child to exec, and the child has just been stopped before it
+        could. Such a parent's stopped children get SIGCONT alone (the vfork child execs, which
+        ends the parent's wait, and the parent stops on the SIGSTOP it still has pending), then
+        the group gets SIGSTOP again, which stops the exec'd child too. On a loaded 2-vCPU machine
+        a third of the stops of a spawning group land in a vfork, so waiting it out and retrying
+        the whole group (as this did before) could fail five times in a row. Anything else that
+        keeps the group from settling for ``SETTLE_S`` gets the old remedy: SIGCONT, and again.
         """
-        pids = self.pids()
         deadline = time.monotonic() + timeout_s
         while True:
             os.killpg(self.pgid, signal.SIGSTOP)
             settle_by = min(deadline, time.monotonic() + self.SETTLE_S)
             while time.monotonic() < settle_by:
+                pids = self.pids()  # a spawn may have added a process since the signal
                 if all(_all_threads_stopped(pid) for pid in pids):
                     return pids
+                if _release_vfork_children(pids):
+                    time.sleep(0.005)  # time to exec
+                    os.killpg(self.pgid, signal.SIGSTOP)
                 time.sleep(0.002)
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"process group {self.pgid} did not stop within {timeout_s} s")
             self.cont()
             time.sleep(0.02)
-            pids = self.pids()  # the spawn that held it may have added a process
 
     def cont(self) -> None:
         os.killpg(self.pgid, signal.SIGCONT)
@@ -107,9 +113,35 @@ def _all_threads_stopped(pid: int) -> bool:
             stat = open(f"/proc/{pid}/task/{tid}/stat").read()
         except FileNotFoundError:
             continue
-        if stat.rsplit(")", 1)[1].split()[0] not in ("T", "t"):
+        # A zombie (Z) or dying (X) thread runs nothing, and never becomes T: a spawner's exited
+        # child stays a zombie while its stopped parent cannot reap it.
+        if stat.rsplit(")", 1)[1].split()[0] not in ("T", "t", "Z", "X"):
             return False
     return True
+
+
+def _state(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
+def _release_vfork_children(pids: list[int]) -> bool:
+    """SIGCONT to the stopped children of group members waiting in D (a vfork parent waits there
+    for its child's exec); whether any got one. A D parent waiting on something else has its
+    stopped children run for a moment and stopped again: harmless."""
+    released = False
+    for pid in pids:
+        if _state(pid) != "D":
+            continue
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for child in psutil.Process(pid).children():
+                if _state(child.pid) in ("T", "t"):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(child.pid, signal.SIGCONT)
+                        released = True
+    return released
 
 
 def _alive(pid: int) -> bool:

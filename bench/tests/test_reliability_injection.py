@@ -48,6 +48,25 @@ def test_group_stop_cont_and_kill_reach_every_process(group):
     assert g.pids() == []
 
 
+ZOMBIE_PARENT = "import os, time\nif os.fork() == 0:\n    os._exit(0)\ntime.sleep(60)"
+
+
+def test_group_stop_settles_with_a_zombie_in_the_group():
+    # A child that exited and was not reaped yet (a spawner's, under load) is Z, never T.
+    proc = subprocess.Popen([sys.executable, "-c", ZOMBIE_PARENT], start_new_session=True)
+    g = ProcessGroup(proc.pid)
+    try:
+        deadline = time.monotonic() + 10
+        while not any(_state(p) == "Z" for p in g.pids() if p != proc.pid):
+            assert time.monotonic() < deadline, "the child did not become a zombie"
+            time.sleep(0.02)
+        pids = g.stop(timeout_s=3.0)
+        assert _state(proc.pid) in "Tt" and len(pids) == 2
+    finally:
+        g.kill()
+        proc.wait()
+
+
 SPAWNER = "import subprocess\nwhile True: subprocess.run(['/bin/true'])"
 
 
