@@ -123,7 +123,8 @@ def test_a_full_queue_drops_and_counts_without_blocking_then_converges(running):
                 stats = pub.stats()
                 assert refused > 0 and stats.dropped_keys == 10 * refused
                 assert stats.queue_depth_keys <= stats.queue_limit_keys == 1000
-                assert slowest < 0.05, f"blocks_added took {slowest * 1000:.1f} ms"
+                # Never waits for the stalled call (seconds); 0.5 s leaves room for a loaded CI machine.
+                assert slowest < 0.5, f"blocks_added took {slowest * 1000:.1f} ms"
             finally:
                 running.index._lock.release()
             # The drops make the node re-register and re-publish: the index converges to what it holds.
