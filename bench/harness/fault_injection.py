@@ -103,41 +103,44 @@ class ProcessGroup:
             time.sleep(0.01)
 
 
-def _all_threads_stopped(pid: int) -> bool:
+_STOPPED = ("T", "t")
+# A zombie (Z) or dying (X) thread runs nothing and never becomes T: a spawner's exited child
+# stays a zombie while its stopped parent cannot reap it.
+_SETTLED = (*_STOPPED, "Z", "X")
+
+
+def _thread_states(pid: int) -> list[str]:
+    """The state letter of each thread of ``pid`` (none if it is gone)."""
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except FileNotFoundError:
-        return True  # gone: nothing left running
+        return []
+    states = []
     for tid in tids:
         try:
             stat = open(f"/proc/{pid}/task/{tid}/stat").read()
         except FileNotFoundError:
             continue
-        # A zombie (Z) or dying (X) thread runs nothing, and never becomes T: a spawner's exited
-        # child stays a zombie while its stopped parent cannot reap it.
-        if stat.rsplit(")", 1)[1].split()[0] not in ("T", "t", "Z", "X"):
-            return False
-    return True
+        states.append(stat.rsplit(")", 1)[1].split()[0])
+    return states
 
 
-def _state(pid: int) -> str:
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return ""
+def _all_threads_stopped(pid: int) -> bool:
+    return all(state in _SETTLED for state in _thread_states(pid))
 
 
 def _release_vfork_children(pids: list[int]) -> bool:
-    """SIGCONT to the stopped children of group members waiting in D (a vfork parent waits there
-    for its child's exec); whether any got one. A D parent waiting on something else has its
-    stopped children run for a moment and stopped again: harmless."""
+    """SIGCONT to the stopped children of group members with a thread waiting in D (a vfork
+    parent's spawning thread waits there for its child's exec); whether any got one. A D thread
+    waiting on something else has its process's stopped children run for a moment and stopped
+    again: harmless."""
     released = False
     for pid in pids:
-        if _state(pid) != "D":
+        if "D" not in _thread_states(pid):
             continue
         with contextlib.suppress(psutil.NoSuchProcess):
             for child in psutil.Process(pid).children():
-                if _state(child.pid) in ("T", "t"):
+                if any(state in _STOPPED for state in _thread_states(child.pid)):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(child.pid, signal.SIGCONT)
                         released = True
