@@ -67,16 +67,18 @@ class ProcessGroup:
         could. Such a parent's stopped children get SIGCONT alone (the vfork child execs, which
         ends the parent's wait, and the parent stops on the SIGSTOP it still has pending), then
         the group gets SIGSTOP again, which stops the exec'd child too. On a loaded 2-vCPU machine
-        a third of the stops of a spawning group land in a vfork, so waiting it out and retrying
-        the whole group (as this did before) could fail five times in a row. Anything else that
-        keeps the group from settling for ``SETTLE_S`` gets the old remedy: SIGCONT, and again.
+        a third of the stops of a spawning group land in a vfork, so releasing the whole group and
+        retrying can land in the next one, again and again. Anything else that keeps the group from
+        settling for ``SETTLE_S`` gets that remedy: SIGCONT, and SIGSTOP again.
         """
         deadline = time.monotonic() + timeout_s
         while True:
             os.killpg(self.pgid, signal.SIGSTOP)
             settle_by = min(deadline, time.monotonic() + self.SETTLE_S)
             while time.monotonic() < settle_by:
-                pids = self.pids()  # a spawn may have added a process since the signal
+                # Listed again each time: a member may fork while the signal is still on its way,
+                # and its child (which does not inherit the pending stop) must keep the group unsettled.
+                pids = self.pids()
                 if all(_all_threads_stopped(pid) for pid in pids):
                     return pids
                 if _release_vfork_children(pids):

@@ -3,10 +3,11 @@
     python -m pegaflow.server.tiers.ssd.tests.writer_child DIR... --engine E --block B --count N
         [--capacity C] [--segment S] [--in-flight K] [--then hang|exit]
 
-Prints one line per event, flushed at once, so the parent knows what was acknowledged before it
-SIGKILLs us: ``W <tag> <address>`` when a write's future said OK, ``F <tag>`` just before a block is
-freed (FIFO, oldest first, when allocate returned nothing: what the store does), ``READY`` after
-recovery, ``DONE`` after the last write. Block bytes are support.payload(tag), so any process
+Prints one line per event, so the parent knows what was acknowledged before it SIGKILLs us:
+``W <tag> <address>`` when a write's future said OK (flushed once per batch: a line lost to the kill
+only hides an acknowledgement), ``F <tag>`` flushed just before a block is freed (FIFO, oldest
+first, when allocate returned nothing: what the store does), ``READY`` after recovery, ``DONE``
+after the last write. Block bytes are support.payload(tag), so any process
 can check what it reads. With ``--then hang`` it waits after DONE to be killed.
 """
 
