@@ -49,12 +49,23 @@ class EvictionPolicy(abc.ABC):
         for key in keys:
             self.on_access(key)
 
+    def on_insert_many(self, items: Sequence[tuple[Hashable, int]]) -> None:
+        """``on_insert`` of each ``(key, nbytes)``, in order (a seal's new blocks, tail first).
+        Policies whose inserts are cheap override it to take their lock once for the batch."""
+        for key, nbytes in items:
+            self.on_insert(key, nbytes)
+
     def on_refresh(self, key: Hashable) -> None:
         """A resident key's recency is renewed without it counting as a hit: a save restating the
         chain the key belongs to, or the load of a block whose lookup already counted. Unknown keys
         are ignored. The default treats it as an access; policies where a hit means more than
         recency (W-TinyLFU's promotion) override it."""
         self.on_access(key)
+
+    def on_refresh_many(self, keys: Sequence[Hashable]) -> None:
+        """``on_refresh`` of each key, in order (a save restating its chain's stored blocks)."""
+        for key in keys:
+            self.on_refresh(key)
 
     @abc.abstractmethod
     def on_remove(self, key: Hashable) -> None:

@@ -47,6 +47,18 @@ class LRUPolicy(EvictionPolicy):
                 self._recency.remove(key)
             self._recency.add(key, nbytes)
 
+    def on_insert_many(self, items: Sequence[tuple[Hashable, int]]) -> None:
+        # One lock and one pass for a seal's blocks (measured: per-key calls were ~8% of a 64-block
+        # allocate + seal in the engine).
+        if not all(type(n) is int and n > 0 for n in {nbytes for _, nbytes in items}):  # one size, mostly
+            items = [(key, positive_int(nbytes, "nbytes")) for key, nbytes in items]
+        with self._lock:
+            recency = self._recency
+            for key, nbytes in items:
+                if key in recency:
+                    recency.remove(key)
+                recency.add(key, nbytes)
+
     def on_access(self, key: Hashable) -> None:
         with self._lock:
             if key in self._recency:
@@ -55,6 +67,9 @@ class LRUPolicy(EvictionPolicy):
     def on_access_many(self, keys: Sequence[Hashable]) -> None:
         with self._lock:
             self._recency.touch_present(keys)
+
+    def on_refresh_many(self, keys: Sequence[Hashable]) -> None:
+        self.on_access_many(keys)  # for LRU a refresh is an access
 
     def on_remove(self, key: Hashable) -> None:
         with self._lock:

@@ -218,16 +218,15 @@ class BlockStore:
             statuses[position] = AllocStatus.NO_SPACE
             del save.pending[block_hash]
             self.counters.no_space_blocks += 1
-        add = self.index.add_writing
-        for block_hash, offset in zip(new_hashes, offsets, strict=False):
-            entry = add((ns_index, block_hash), block_bytes, offset, save.id)
+        pending = save.pending
+        for entry in self.index.add_writing_many(ns_index, new_hashes, block_bytes, offsets, save.id):
             entry.held = True  # the allocation held its slab
-            save.pending[block_hash] = entry
-            if self._claim_slot(offset, ns_index):
-                if whole_write:
-                    save.unzeroed_slots.add(offset)
-                else:
-                    save.stale_slots.append(offset)
+            pending[entry.key[1]] = entry
+        foreign = self._claim_slots(offsets, ns_index)
+        if whole_write:
+            save.unzeroed_slots.update(foreign)
+        else:
+            save.stale_slots.extend(foreign)
         return statuses, offsets, stored
 
     def _slot_is_foreign(self, offset: int, ns_index: int) -> bool:
@@ -244,6 +243,18 @@ class BlockStore:
         self._slot_owner[offset] = (ns_index, self.allocator.assignment(offset))
         return foreign
 
+    def _claim_slots(self, offsets: Sequence[int], ns_index: int) -> list[int]:
+        """``_claim_slot`` of each (a grant's hot path, in one pass); the slots to zero first."""
+        owners, assignment = self._slot_owner, self.allocator.assignment
+        foreign = []
+        for offset in offsets:
+            owner = (ns_index, assignment(offset))
+            last = owners.get(offset)
+            if (owner[1] > 1) if last is None else (last != owner):
+                foreign.append(offset)
+            owners[offset] = owner
+        return foreign
+
     def seal(self, save, sealing: dict[bytes, BlockEntry]) -> tuple[int, IoBatch | None]:
         """Seals ``sealing`` and restates the save's chain, tail first; returns (bytes sealed, the
         demotion writes the placement rule asks for).
@@ -252,21 +263,42 @@ class BlockStore:
         Walking it from the tail, each block is inserted (being sealed now) or refreshed (stored
         already), so the chain ends ordered head > ... > tail in the policy, and under pressure a
         prefix loses its tail first."""
-        policy, get, pending = self.policy, self.index.get, save.pending
+        get, pending, seal_entry = self.index.get, save.pending, self.index.seal
         sealed: list[BlockEntry] = []
+        # What the policy hears, in chain order (tail first): runs of inserts and of refreshes, each
+        # run one call (a policy takes its lock once per call, not once per block).
+        runs: list[tuple[bool, list]] = []
         for block_hash in reversed(save.chain):
             entry = sealing.pop(block_hash, None)
             if entry is not None:
-                self.index.seal(entry)
-                self._rehold(entry)
-                policy.on_insert(entry.key, entry.length)
+                seal_entry(entry)
                 sealed.append(entry)
-                if self.publishing:
-                    self.published.append((True, entry.key[0], entry.key[1]))
+                if runs and runs[-1][0]:
+                    runs[-1][1].append((entry.key, entry.length))
+                else:
+                    runs.append((True, [(entry.key, entry.length)]))
             elif block_hash not in pending:
                 entry = get((save.ns_index, block_hash))
                 if entry is not None and entry.state == SEALED and entry.dram_ready:
-                    policy.on_refresh(entry.key)
+                    if runs and not runs[-1][0]:
+                        runs[-1][1].append(entry.key)
+                    else:
+                        runs.append((False, [entry.key]))
+        # As _rehold for each: a sealed block's slab stays held only while tiers or leases use its slot.
+        released = []
+        for entry in sealed:
+            if entry.held and not (entry.pins or entry.io or entry.filling_from is not None):
+                entry.held = False
+                released.append(entry.dram)
+        self.allocator.unhold_many(released)
+        policy = self.policy
+        for inserting, items in runs:
+            if inserting:
+                policy.on_insert_many(items)
+            else:
+                policy.on_refresh_many(items)
+        if self.publishing:
+            self.published.extend((True, e.key[0], e.key[1]) for e in sealed)
         sealed.reverse()
         if self.lane is not None:
             self.lane.publish(sealed)
@@ -697,6 +729,7 @@ class BlockStore:
             # its directory, all but what a lane lease reads now (that one stays: it is in use).
             taken = self.lane.unpublish_many(batch) if self.lane is not None else None
             evicted = []
+            part_of = allocator.part_of
             for i, victim in enumerate(batch):
                 entry = get(victim)
                 if taken is not None and not taken[i]:
@@ -710,13 +743,18 @@ class BlockStore:
                     if taken is not None:
                         self._republish([entry])
                     continue
+                length, slot = entry.length, entry.dram
                 if not self._evict_dram(entry, tell_policy=False, unpublished=taken is not None):
                     continue
                 evicted.append(victim)
                 victims += 1
-                if entry.length != block_bytes:
-                    freed_elsewhere += entry.length
-                if allocator.available(block_bytes, part) >= need:
+                if length == block_bytes and part_of(slot) == part:
+                    available += 1  # its slot, exactly (a slab it emptied counts as its free slots did)
+                else:
+                    if length != block_bytes:
+                        freed_elsewhere += length
+                    available = allocator.available(block_bytes, part)
+                if available >= need:
                     # Enough (a slab that emptied may free more than one slot): keep the rest.
                     if taken is not None:
                         self._republish([get(v) for j, v in enumerate(batch) if j > i and taken[j]])

@@ -493,6 +493,23 @@ def test_a_chain_saved_in_parts_is_restated_head_first(engine):
     assert engine.query_prefix(sid, iid, chain).num_hits == 9
 
 
+def test_a_seal_tells_the_policy_its_chain_tail_first_in_one_order(engine):
+    # Stored head refreshed, new tail inserted, a hash named twice: inserted where first met from the
+    # tail, refreshed where met again (after new-1, before new-0). The eviction order (coldest first)
+    # shows what the policy heard, in one order: the inserts and refreshes interleaved as met.
+    sid = engine.open_session("t").session_id
+    iid = engine.register_instance(sid, layout()).instance_id
+    head, other = hashes(3, "head"), hashes(2, "other")
+    save(engine, sid, iid, head)
+    save(engine, sid, iid, other)
+    chain = [*head, b"new-0", b"twice", b"new-1", b"twice"]
+    res = engine.allocate_blocks(sid, iid, chain)
+    assert res.statuses == [AllocStatus.EXISTS] * 3 + [AllocStatus.GRANTED] * 3 + [AllocStatus.IN_PROGRESS]
+    engine.seal_blocks(sid, res.save_id)
+    order = [key[1] for key in engine._store.policy.next_victims(100, lambda _key: False)]
+    assert order == [*reversed(other), b"new-1", b"twice", b"new-0", *reversed(head)]
+
+
 def test_a_save_never_evicts_its_own_stored_head_to_make_room_for_its_tail(engine):
     sid = engine.open_session("t").session_id
     iid = engine.register_instance(sid, layout()).instance_id

@@ -129,3 +129,62 @@ def test_cache_fill_and_evict_loop_never_returns_pinned_keys(blocks, pinned):
                 resident[key] = size
                 policy.on_insert(key, size)
         check_consistent(policy, resident)
+
+
+BATCHED_OPERATIONS = st.lists(
+    st.one_of(
+        st.tuples(st.just("insert"), st.lists(st.tuples(KEYS, SIZES), max_size=8)),
+        st.tuples(st.just("refresh"), st.lists(KEYS, max_size=8)),
+        st.tuples(st.just("access"), KEYS),
+        st.tuples(st.just("remove"), KEYS),
+        st.tuples(st.just("lookup"), st.lists(KEYS, max_size=6)),
+    ),
+    max_size=60,
+)
+
+
+def drain(policy) -> list:
+    order = []
+    while (victim := policy.next_victim(lambda _k: False)) is not None:
+        order.append(victim)
+        policy.on_remove(victim)
+    return order
+
+
+@pytest.mark.parametrize("which", sorted(POLICIES))
+def test_batched_inserts_and_refreshes_equal_the_calls_one_by_one(which):
+    # The block store tells a seal's chain as on_insert_many / on_refresh_many runs: a policy that
+    # overrides them (LRU: one lock per run) must end in the state the single calls leave, re-inserts
+    # of resident keys (a new size) and a key named twice in one run included.
+    @PROPERTY_SETTINGS
+    @given(BATCHED_OPERATIONS)
+    def check(operations):
+        batched, single = POLICIES[which](), POLICIES[which]()
+        for op in operations:
+            kind = op[0]
+            if kind == "insert":
+                batched.on_insert_many(op[1])
+                for key, size in op[1]:
+                    single.on_insert(key, size)
+            elif kind == "refresh":
+                batched.on_refresh_many(op[1])
+                for key in op[1]:
+                    single.on_refresh(key)
+            else:
+                for policy in (batched, single):
+                    {"access": policy.on_access, "remove": policy.on_remove, "lookup": policy.record_lookups}[
+                        kind
+                    ](op[1])
+            assert len(batched) == len(single) and batched.resident_bytes == single.resident_bytes
+        assert drain(batched) == drain(single)
+
+    check()
+
+
+def test_lru_batched_insert_checks_sizes_like_a_single_insert():
+    policy = LRUPolicy()
+    with pytest.raises(ValueError):
+        policy.on_insert_many([(1, 4), (2, 0)])
+    with pytest.raises(TypeError):
+        policy.on_insert_many([(1, True)])
+    assert len(policy) == 0  # a refused batch inserts nothing
