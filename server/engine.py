@@ -839,7 +839,10 @@ class KVEngine:
         if stale:
             # Off the lock: the slots are this save's (WRITING), nobody else reads or writes them.
             self.dram.zero([(offset, block_bytes) for offset in stale])
-        if wake_reserve:  # after the zeroing: its evictions are not to compete with this call's own work
+        # After the zeroing: its evictions are not to compete with this call's own work. Set only when
+        # clear (Event.set takes a lock and notifies even when set): the reserve thread clears it
+        # before each refill, so a set seen here is one whose refill is still to come.
+        if wake_reserve and not self._reserve_wanted.is_set():
             self._reserve_wanted.set()
         return AllocateResult(save_id, statuses, local_offsets, block_bytes, self.epoch)
 

@@ -1,0 +1,88 @@
+"""What the engine's save path costs per batch, in-process: AllocateBlocks + SealBlocks of 64 blocks
+of 256 KiB into a full pool (every grant evicts 64), no RPC, no copy, no free-slot reserve.
+
+    .venv/bin/python bench/store_cost.py [--batches 400] [--rounds 5] [--out FILE.json]
+
+Rounds of ``--batches`` each, after a fill and a warm-up; per round the median allocate and seal
+times; the JSON has every round, the median and worst round. For an A/B against another tree, run
+it again with ``PYTHONPATH`` naming a directory whose ``pegaflow`` is that tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import statistics
+import time
+
+from pegaflow.server.config import MIB, ServerConfig
+from pegaflow.server.engine import KVEngine
+from pegaflow.server.store.namespace import KvLayout
+
+BLOCK = 256 * 1024
+BATCH = 64
+POOL = 512 * MIB
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, default=400)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    engine = KVEngine(ServerConfig(pool_size_bytes=POOL, http_addr=None))
+    try:
+        sid = engine.open_session("store-cost").session_id
+        layout = KvLayout(model_id="m", block_bytes=BLOCK, dtype="bf16", tp_size=1, tp_rank=0)
+        iid = engine.register_instance(sid, layout).instance_id
+        count = 0
+
+        def batch() -> tuple[float, float]:
+            nonlocal count
+            hashes = [f"b{count}-{i}".encode() for i in range(BATCH)]
+            count += 1
+            t0 = time.perf_counter()
+            res = engine.allocate_blocks(sid, iid, hashes)
+            t1 = time.perf_counter()
+            engine.seal_blocks(sid, res.save_id)
+            return t1 - t0, time.perf_counter() - t1
+
+        for _ in range(POOL // (BATCH * BLOCK) + 20):  # fill the pool, then some evicting batches
+            batch()
+        rounds = []
+        for _ in range(args.rounds):
+            alloc, seal = zip(*(batch() for _ in range(args.batches)), strict=True)
+            rounds.append(
+                {"allocate_ms": statistics.median(alloc) * 1e3, "seal_ms": statistics.median(seal) * 1e3}
+            )
+            rounds[-1]["total_ms"] = rounds[-1]["allocate_ms"] + rounds[-1]["seal_ms"]
+        stats = engine.stats()
+    finally:
+        engine.close()
+    totals = sorted(r["total_ms"] for r in rounds)
+    report = {
+        "benchmark": "store_cost",
+        "shape": {"blocks_per_batch": BATCH, "block_bytes": BLOCK, "pool_bytes": POOL},
+        "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()},
+        "code": str(pathlib.Path(__import__("pegaflow").__file__).parent),
+        "evictions": stats.evictions,
+        "rounds": rounds,
+        "total_ms": {"median": statistics.median(totals), "worst": totals[-1]},
+    }
+    for r in rounds:
+        print(
+            f"allocate {r['allocate_ms']:.3f} ms + seal {r['seal_ms']:.3f} ms"
+            f" = {r['total_ms']:.3f} ms per batch"
+        )
+    print(
+        f"median {report['total_ms']['median']:.3f} ms, worst {report['total_ms']['worst']:.3f} ms"
+        f" ({report['code']})"
+    )
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
