@@ -229,28 +229,27 @@ class BlockStore:
             save.stale_slots.extend(foreign)
         return statuses, offsets, stored
 
+    @staticmethod
+    def _foreign(last: tuple[int, int] | None, owner: tuple[int, int]) -> bool:
+        """Whether a slot whose _slot_owner record is ``last`` (None: none) may hold bytes that are not
+        ``owner``'s, (namespace, slab assignment): only a fresh pool's first cut is known zero."""
+        return owner[1] > 1 if last is None else last != owner
+
     def _slot_is_foreign(self, offset: int, ns_index: int) -> bool:
         """Whether the slot's bytes may be another namespace's (see _slot_owner)."""
-        assignment = self.allocator.assignment(offset)
-        owner = self._slot_owner.get(offset)
-        if owner is None:
-            return assignment > 1
-        return owner != (ns_index, assignment)
+        return self._foreign(self._slot_owner.get(offset), (ns_index, self.allocator.assignment(offset)))
 
     def _claim_slot(self, offset: int, ns_index: int) -> bool:
         """Records the slot as ``ns_index``'s; True when it must be zeroed first."""
-        foreign = self._slot_is_foreign(offset, ns_index)
-        self._slot_owner[offset] = (ns_index, self.allocator.assignment(offset))
-        return foreign
+        return bool(self._claim_slots((offset,), ns_index))
 
     def _claim_slots(self, offsets: Sequence[int], ns_index: int) -> list[int]:
-        """``_claim_slot`` of each (a grant's hot path, in one pass); the slots to zero first."""
-        owners, assignment = self._slot_owner, self.allocator.assignment
+        """``_claim_slot`` of each, in one pass (a grant's hot path); the slots to zero first."""
+        owners, assignment, foreign_to = self._slot_owner, self.allocator.assignment, self._foreign
         foreign = []
         for offset in offsets:
             owner = (ns_index, assignment(offset))
-            last = owners.get(offset)
-            if (owner[1] > 1) if last is None else (last != owner):
+            if foreign_to(owners.get(offset), owner):
                 foreign.append(offset)
             owners[offset] = owner
         return foreign
