@@ -281,6 +281,7 @@ class KVEngine:
         self._reaper = threading.Thread(target=self._reap_loop, name="pegaflow-reaper", daemon=True)
         self._reaper.start()
         self._reserve_wanted = threading.Event()
+        self._lane_drain_lock = threading.Lock()  # before the engine lock, never inside it (_drain_lane)
         self._reserver: threading.Thread | None = None
         if config.free_reserve_bytes:
             self._reserver = threading.Thread(
@@ -995,7 +996,7 @@ class KVEngine:
     def stats(self, deadline: float | None = None) -> EngineStats:
         if self.lane is not None:
             # Every call the lane served before this one is counted in the answer, not a pass later.
-            self._apply_lane_signals(self.lane.drain())
+            self._drain_lane()
         with self._locked(deadline):
             alloc = self.allocator.stats()
             index, store, registry = self._store.index, self._store.counters, self._registry
@@ -1475,11 +1476,19 @@ class KVEngine:
                 return
             time.sleep(LANE_BATCH_S)
             try:
-                self._apply_lane_signals(self.lane.drain())
+                self._drain_lane()
             except Closed:
                 return
             except Exception:
                 log.exception("applying the read lane's signals failed; continuing")
+
+    def _drain_lane(self) -> None:
+        """Takes the read lane's signals and applies them, one drain at a time: signals taken by one
+        caller and not yet applied are invisible to the next drain, so stats() waits for a pass in
+        progress instead of answering without its counts (seen in CI: a lookup served by the lane,
+        drained by this loop, not yet applied when stats() drained nothing and read the counters)."""
+        with self._lane_drain_lock:
+            self._apply_lane_signals(self.lane.drain())
 
     def _apply_lane_signals(self, signals: LaneSignals) -> None:
         """What a query or release served by the engine does besides answering, for the calls the

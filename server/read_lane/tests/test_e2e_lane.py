@@ -203,3 +203,42 @@ def test_a_lease_released_without_waiting_frees_the_quota_for_the_next_query(tmp
             c.release(result[0].lease_id)
     finally:
         srv.stop()
+
+
+def test_stats_wait_for_lane_signals_another_thread_took_and_has_not_applied(tmp_path):
+    """The engine's signal thread takes the lane's signals, then applies them under the engine lock;
+    stats() taking what is left in between found nothing and answered without the lookup's counts
+    (a CI failure). Forced here: the signal thread sleeps between taking and applying."""
+    srv = start_server(
+        ServerConfig(
+            pool_size_bytes=32 * MIB,
+            addr="127.0.0.1:0",
+            http_addr=None,
+            fd_socket_path=str(tmp_path / "pool.sock"),
+        )
+    )
+    engine = srv.engine
+    apply = engine._apply_lane_signals
+    taken = threading.Event()
+
+    def slow_apply(signals):
+        if signals and threading.current_thread().name == "pegaflow-read-lane-signals":
+            taken.set()
+            time.sleep(0.5)
+        apply(signals)
+
+    engine._apply_lane_signals = slow_apply
+    try:
+        with PegaClient(srv.address, timeout_s=10.0) as c:
+            inst = c.register_instance(LAYOUT)
+            stored = [b"s-%d" % i for i in range(8)]
+            c.seal(c.allocate(inst, stored).save_id)
+            before = c.stats()
+            served = lane_served(c)
+            assert c.query_prefix(inst, stored + [b"absent"]).num_hits == 8
+            assert lane_served(c) == served + 1  # the lane answered it
+            assert taken.wait(5), "the signal thread never took the lookup's signals"
+            stats = c.stats()  # while the signal thread sleeps with them
+            assert (stats.hits - before.hits, stats.misses - before.misses) == (8, 1)
+    finally:
+        srv.stop()
