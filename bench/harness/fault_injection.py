@@ -111,17 +111,23 @@ _STOPPED = ("T", "t")
 _SETTLED = (*_STOPPED, "Z", "X")
 
 
+# What /proc answers for a process or thread that is gone, or going: ENOENT once it is reaped, ESRCH
+# while it exits (a thread listed a moment before; a CI failure of the spawning-group test).
+_GONE = (FileNotFoundError, ProcessLookupError)
+
+
 def _thread_states(pid: int) -> list[str]:
-    """The state letter of each thread of ``pid`` (none if it is gone)."""
+    """The state letter of each thread of ``pid`` (none for threads, or a process, that are gone)."""
     try:
         tids = os.listdir(f"/proc/{pid}/task")
-    except FileNotFoundError:
+    except _GONE:
         return []
     states = []
     for tid in tids:
         try:
-            stat = open(f"/proc/{pid}/task/{tid}/stat").read()
-        except FileNotFoundError:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+        except _GONE:
             continue
         states.append(stat.rsplit(")", 1)[1].split()[0])
     return states

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from pegaflow.bench.harness import models, proc_sampler
+from pegaflow.bench.harness import fault_injection, models, proc_sampler
 from pegaflow.bench.harness.fault_injection import LeaseHog, ProcessGroup, SaveCatcher, frozen_unsealed
 from pegaflow.client import PegaClient
 from pegaflow.server.testing import ServerProcess
@@ -49,6 +49,17 @@ def test_group_stop_cont_and_kill_reach_every_process(group):
 
 
 ZOMBIE_PARENT = "import os, time\nif os.fork() == 0:\n    os._exit(0)\ntime.sleep(60)"
+
+
+def test_thread_states_skip_threads_that_exit_while_they_are_read(monkeypatch):
+    # /proc/PID/task lists a thread; it exits before its stat is opened: ESRCH (a CI failure), not
+    # ENOENT. Such a thread is gone, not an error of the group stop.
+    def exiting(path, *args, **kwargs):
+        raise ProcessLookupError(3, "No such process")
+
+    assert fault_injection._thread_states(os.getpid())  # this process: at least its main thread
+    monkeypatch.setattr(fault_injection, "open", exiting, raising=False)
+    assert fault_injection._thread_states(os.getpid()) == []
 
 
 def test_group_stop_settles_with_a_zombie_in_the_group():
