@@ -17,6 +17,7 @@ import platform
 import statistics
 import time
 
+import pegaflow
 from pegaflow.server.config import MIB, ServerConfig
 from pegaflow.server.engine import KVEngine
 from pegaflow.server.store.namespace import KvLayout
@@ -66,7 +67,7 @@ def main() -> None:
         "benchmark": "store_cost",
         "shape": {"blocks_per_batch": BATCH, "block_bytes": BLOCK, "pool_bytes": POOL},
         "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()},
-        "code": str(pathlib.Path(__import__("pegaflow").__file__).parent),
+        "code": str(pathlib.Path(pegaflow.__file__).parent),  # which tree ran (an A/B names two)
         "evictions": stats.evictions,
         "rounds": rounds,
         "total_ms": {"median": statistics.median(totals), "worst": totals[-1]},

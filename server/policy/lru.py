@@ -40,12 +40,7 @@ class LRUPolicy(EvictionPolicy):
         return None
 
     def on_insert(self, key: Hashable, nbytes: int) -> None:
-        nbytes = positive_int(nbytes, "nbytes")
-        with self._lock:
-            if key in self._recency:
-                # A re-seal of a resident key: keep one entry, take the new size, count it as a use.
-                self._recency.remove(key)
-            self._recency.add(key, nbytes)
+        self.on_insert_many(((key, nbytes),))
 
     def on_insert_many(self, items: Sequence[tuple[Hashable, int]]) -> None:
         # One lock and one pass for a seal's blocks (measured: per-key calls were ~8% of a 64-block
@@ -56,6 +51,7 @@ class LRUPolicy(EvictionPolicy):
             recency = self._recency
             for key, nbytes in items:
                 if key in recency:
+                    # A re-seal of a resident key: keep one entry, take the new size, count it as a use.
                     recency.remove(key)
                 recency.add(key, nbytes)
 

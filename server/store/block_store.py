@@ -283,10 +283,11 @@ class BlockStore:
                         runs[-1][1].append(entry.key)
                     else:
                         runs.append((False, [entry.key]))
-        # As _rehold for each: a sealed block's slab stays held only while tiers or leases use its slot.
+        # _rehold of each, one unhold call: a sealed slot stays held only while tiers or leases use it.
         released = []
+        needs_hold = self._needs_hold
         for entry in sealed:
-            if entry.held and not (entry.pins or entry.io or entry.filling_from is not None):
+            if entry.held and not needs_hold(entry):
                 entry.held = False
                 released.append(entry.dram)
         self.allocator.unhold_many(released)
@@ -549,12 +550,17 @@ class BlockStore:
 
     # ================================================================ helpers
 
+    @staticmethod
+    def _needs_hold(entry: BlockEntry) -> bool:
+        """Whether the entry's DRAM slot must not move: written, filled, read by the tiers or pinned."""
+        return entry.dram != NO_SLOT and (
+            entry.state == WRITING or entry.pins > 0 or entry.io > 0 or entry.filling_from is not None
+        )
+
     def _rehold(self, entry: BlockEntry) -> None:
         """Keeps the allocator's hold on the entry's slab in step with whether its DRAM slot may move
         (a slab move evicts every block in a slab): held while written, filled, read or pinned."""
-        want = entry.dram != NO_SLOT and (
-            entry.state == WRITING or entry.pins > 0 or entry.io > 0 or entry.filling_from is not None
-        )
+        want = self._needs_hold(entry)
         if want != entry.held:
             if want:
                 self.allocator.hold(entry.dram)

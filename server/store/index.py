@@ -107,20 +107,11 @@ class BlockIndex:
     def at_slot(self, offset: int) -> BlockEntry | None:
         return self._by_slot.get(offset)
 
-    def add_writing(self, key: BlockKey, length: int, slot: int, save_id: str) -> BlockEntry:
-        entry = BlockEntry(key, length)
-        entry.save_id = save_id
-        entry.dram = slot
-        self._blocks[key] = entry
-        self._by_slot[slot] = entry
-        self._entries_per_ns[key[0]] += 1
-        self.writing += 1
-        return entry
-
     def add_writing_many(
         self, ns_index: int, hashes: Sequence[bytes], length: int, slots: Sequence[int], save_id: str
     ) -> list[BlockEntry]:
-        """``add_writing`` of each (hash, slot) pair, in one pass (a grant's hot path)."""
+        """A WRITING entry per (hash, slot) pair, in the slot its save was granted (one pass: a grant's
+        hot path)."""
         blocks, by_slot = self._blocks, self._by_slot
         out = []
         for block_hash, slot in zip(hashes, slots, strict=False):

@@ -23,6 +23,19 @@ LAYOUT = KvLayout(model_id="m", block_bytes=BLOCK, dtype="bfloat16", block_token
 DEADLINE_MARGIN_S = 5.0
 
 
+def start_inproc(tmp_path, **config):
+    """An in-process server on a 32 MiB pool (its engine reachable as ``.engine``)."""
+    return start_server(
+        ServerConfig(
+            pool_size_bytes=32 * MIB,
+            addr="127.0.0.1:0",
+            http_addr=None,
+            fd_socket_path=str(tmp_path / "pool.sock"),
+            **config,
+        )
+    )
+
+
 def lane_served(c: PegaClient) -> int:
     return c._conn.lane.served if c._conn is not None and c._conn.lane is not None else 0
 
@@ -169,15 +182,7 @@ def test_a_lease_released_without_waiting_frees_the_quota_for_the_next_query(tmp
     """The release of an engine lease goes out on the local RPC socket without an answer; the next
     query goes to the lane, on another socket, and may arrive first. At the quota the lane leaves
     the query to the engine, which runs the client's calls in order: the release, then the query."""
-    srv = start_server(
-        ServerConfig(
-            pool_size_bytes=32 * MIB,
-            addr="127.0.0.1:0",
-            http_addr=None,
-            fd_socket_path=str(tmp_path / "pool.sock"),
-            session_ttl_s=30.0,
-        )
-    )
+    srv = start_inproc(tmp_path, session_ttl_s=30.0)
     try:
         with PegaClient(srv.address, timeout_s=10.0) as c:
             inst = c.register_instance(LAYOUT)
@@ -209,14 +214,7 @@ def test_stats_wait_for_lane_signals_another_thread_took_and_has_not_applied(tmp
     """The engine's signal thread takes the lane's signals, then applies them under the engine lock;
     stats() taking what is left in between found nothing and answered without the lookup's counts
     (a CI failure). Forced here: the signal thread sleeps between taking and applying."""
-    srv = start_server(
-        ServerConfig(
-            pool_size_bytes=32 * MIB,
-            addr="127.0.0.1:0",
-            http_addr=None,
-            fd_socket_path=str(tmp_path / "pool.sock"),
-        )
-    )
+    srv = start_inproc(tmp_path)
     engine = srv.engine
     apply = engine._apply_lane_signals
     taken = threading.Event()
