@@ -2,6 +2,7 @@
 of 256 KiB into a full pool (every grant evicts 64), no RPC, no copy, no free-slot reserve.
 
     .venv/bin/python bench/store_cost.py [--batches 400] [--rounds 5] [--out FILE.json]
+    .venv/bin/python bench/store_cost.py --plot A.json B.json ... --png FILE.png   # runs side by side
 
 Rounds of ``--batches`` each, after a fill and a warm-up; per round the median allocate and seal
 times; the JSON has every round, the median and worst round. For an A/B against another tree, run
@@ -32,7 +33,16 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=400)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out")
+    ap.add_argument("--plot", nargs="+", metavar="JSON", help="draw these reports (one bar group each)")
+    ap.add_argument("--png", help="with --plot: where to write the figure")
     args = ap.parse_args()
+    if args.plot:
+        plot(
+            [json.loads(pathlib.Path(p).read_text()) for p in args.plot],
+            [pathlib.Path(p).stem for p in args.plot],
+            pathlib.Path(args.png or pathlib.Path(args.plot[0]).with_suffix(".png")),
+        )
+        return
     engine = KVEngine(ServerConfig(pool_size_bytes=POOL, http_addr=None))
     try:
         sid = engine.open_session("store-cost").session_id
@@ -83,6 +93,41 @@ def main() -> None:
     )
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+
+
+def plot(reports: list[dict], names: list[str], path: pathlib.Path) -> None:
+    """Per report: its rounds' allocate + seal ms stacked, median round and worst round marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(reports)), 4))
+    for i, report in enumerate(reports):
+        rounds = sorted(report["rounds"], key=lambda r: r["total_ms"])
+        median = rounds[len(rounds) // 2]
+        ax.bar(i, median["allocate_ms"], color="#3182bd", label="allocate (median round)" if i == 0 else None)
+        ax.bar(
+            i,
+            median["seal_ms"],
+            bottom=median["allocate_ms"],
+            color="#9ecae1",
+            label="seal (median round)" if i == 0 else None,
+        )
+        ax.plot(
+            [i - 0.3, i + 0.3],
+            [rounds[-1]["total_ms"]] * 2,
+            color="black",
+            label="worst round" if i == 0 else None,
+        )
+        ax.text(i, rounds[-1]["total_ms"], f"{median['total_ms']:.3f}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(reports)), names, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("ms per 64-block batch (in-process)")
+    ax.set_title("engine allocate + seal, full pool, every grant evicting")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
