@@ -5,6 +5,12 @@ client/save_pipeline.py for a fixed time. Reported per batch: the server process
 saving threads and the server share two cores, so the server's CPU per batch is what keeps the
 two-in-flight saves below memcpy.
 
+Each run alternates ``--windows`` windows of the save stream with windows of a plain memcpy of the
+same 16 MiB batches by the same threads (numpy copies into pre-touched arrays well beyond the caches,
+as bench/server_bench.py's reference): the stream's GB/s over the memcpy's in each pair of windows is
+issue 16's ratio for a sustained stream (the connector's saves), reported per window, median and
+worst. The CPU per batch counts the save windows only.
+
     .venv/bin/python bench/save_stream_cpu.py --seconds 8 --repeats 2 --out DIR [--label NAME]
     .venv/bin/python bench/save_stream_cpu.py --server-pythonpath DIR ...   # another commit's server
     .venv/bin/python bench/save_stream_cpu.py --compare A.json B.json --out DIR   # the two on one plot
@@ -50,7 +56,10 @@ def cpu_seconds(proc: psutil.Process) -> float:
     return total
 
 
-def run(threads: int, seconds: float, tmp: pathlib.Path, server_pythonpath: str | None) -> dict:
+RING = 32  # batches per thread in the memcpy reference's destination: 512 MiB, beyond the caches
+
+
+def run(threads: int, seconds: float, tmp: pathlib.Path, server_pythonpath: str | None, windows: int) -> dict:
     env = {**os.environ, "PYTHONPATH": server_pythonpath} if server_pythonpath else None
     with ServerProcess(tmp / f"t{threads}", pool_size=POOL, http_addr=None, env=env) as srv:
         c = PegaClient(srv.addr, timeout_s=60.0, name="save-stream-cpu")
@@ -67,36 +76,61 @@ def run(threads: int, seconds: float, tmp: pathlib.Path, server_pythonpath: str 
             fill = [[f"fill-{i}-{j}".encode() for j in range(BATCH)] for i in range(3 * 1024 // 16 + 2)]
             save_batches(c, inst, fill, write)  # the pool full: every measured save evicts
             server, me = psutil.Process(srv.proc.pid), psutil.Process()
-            s0, m0 = cpu_seconds(server), me.cpu_times()
-            end = time.monotonic() + seconds
-            done = [0] * threads
+            rings = [np.ones((RING, BATCH, BLOCK), dtype=np.uint8) for _ in range(threads)]  # pre-touched
+            reps = [0] * threads
 
-            def stream(k: int) -> None:
-                rep = 0
+            def stream(k: int, end: float, done: list[int]) -> None:
                 while time.monotonic() < end:
+                    rep = reps[k] = reps[k] + 1
                     chunks = [[f"s{k}-{rep}-{i}-{j}".encode() for j in range(BATCH)] for i in range(STREAM)]
                     save_batches(c, inst, chunks, write)
                     done[k] += STREAM
-                    rep += 1
 
-            workers = [threading.Thread(target=stream, args=(k,)) for k in range(threads)]
-            t0 = time.monotonic()
-            for w in workers:
-                w.start()
-            for w in workers:
-                w.join()
-            elapsed = time.monotonic() - t0
-            s1, m1 = cpu_seconds(server), me.cpu_times()
+            def memcpy(k: int, end: float, done: list[int]) -> None:
+                while time.monotonic() < end:
+                    for _ in range(STREAM):
+                        np.copyto(rings[k][done[k] % RING], src)
+                        done[k] += 1
+
+            def window(body, span: float) -> tuple[int, float]:
+                done = [0] * threads
+                end = time.monotonic() + span
+                workers = [threading.Thread(target=body, args=(k, end, done)) for k in range(threads)]
+                t0 = time.monotonic()
+                for w in workers:
+                    w.start()
+                for w in workers:
+                    w.join()
+                return sum(done), time.monotonic() - t0
+
+            span = seconds / windows
+            n = 0
+            elapsed = server_cpu = client_cpu = 0.0
+            save_gbps, memcpy_gbps = [], []
+            for _ in range(windows):
+                s0, m0 = cpu_seconds(server), me.cpu_times()
+                batches, took = window(stream, span)
+                s1, m1 = cpu_seconds(server), me.cpu_times()
+                n, elapsed = n + batches, elapsed + took
+                server_cpu += s1 - s0
+                client_cpu += (m1.user - m0.user) + (m1.system - m0.system)
+                save_gbps.append(batches * BATCH * BLOCK / took / 1e9)
+                copied, took = window(memcpy, span)
+                memcpy_gbps.append(copied * BATCH * BLOCK / took / 1e9)
         finally:
             c.close()
-    n = sum(done)
+    ratios = [a / b for a, b in zip(save_gbps, memcpy_gbps, strict=True)]
     return {
         "threads": threads,
         "batches": n,
         "batches_per_s": n / elapsed,
         "gbps": n * BATCH * BLOCK / elapsed / 1e9,
-        "server_cpu_ms_per_batch": (s1 - s0) / n * 1e3,
-        "client_cpu_ms_per_batch": ((m1.user - m0.user) + (m1.system - m0.system)) / n * 1e3,
+        "server_cpu_ms_per_batch": server_cpu / n * 1e3,
+        "client_cpu_ms_per_batch": client_cpu / n * 1e3,
+        "memcpy_gbps": statistics.median(memcpy_gbps),
+        "save_vs_memcpy": statistics.median(ratios),
+        "save_vs_memcpy_worst": min(ratios),
+        "windows": {"save_gbps": save_gbps, "memcpy_gbps": memcpy_gbps, "save_vs_memcpy": ratios},
     }
 
 
@@ -108,6 +142,7 @@ def main() -> int:
     ap.add_argument("--label", default="this tree")
     ap.add_argument("--server-pythonpath", default=None)
     ap.add_argument("--compare", type=pathlib.Path, nargs="+", default=None)
+    ap.add_argument("--windows", type=int, default=4, help="save / memcpy window pairs per run")
     args = ap.parse_args()
     if args.compare:
         return compare(args.compare, args.out)
@@ -115,7 +150,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="save-stream-cpu-") as d:
         for _ in range(args.repeats):
             for threads in (1, 2):
-                row = run(threads, args.seconds, pathlib.Path(d), args.server_pythonpath)
+                row = run(threads, args.seconds, pathlib.Path(d), args.server_pythonpath, args.windows)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     summary = {}
@@ -126,6 +161,9 @@ def main() -> int:
             for key in ("server_cpu_ms_per_batch", "client_cpu_ms_per_batch")
         } | {"batches_per_s": {"median": statistics.median(r["batches_per_s"] for r in mine),
                                "worst": min(r["batches_per_s"] for r in mine)}}  # fmt: skip
+        windows = [x for r in mine if "windows" in r for x in r["windows"]["save_vs_memcpy"]]
+        if windows:  # the ratio over every window of this thread count (reports before 2026-12-07: none)
+            summary[threads]["save_vs_memcpy"] = {"median": statistics.median(windows), "worst": min(windows)}
     args.out.mkdir(parents=True, exist_ok=True)
     result = {
         "label": args.label,
@@ -134,22 +172,36 @@ def main() -> int:
         "summary": summary,
     }
     (args.out / "save_stream_cpu.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot([json.loads((args.out / "save_stream_cpu.json").read_text())], args.out / "save_stream_cpu.png")
     return 0
 
 
 def compare(paths: list[pathlib.Path], out: pathlib.Path) -> int:
-    """The arms' server CPU per batch and batches per second, side by side (median, worst as a tick)."""
+    """The arms side by side in one plot, and their reports merged in one JSON."""
+    arms = [json.loads(p.read_text()) for p in paths]
+    out.mkdir(parents=True, exist_ok=True)
+    plot(arms, out / "save_stream_cpu.png")
+    merged = {arm["label"]: arm for arm in arms}
+    (out / "save_stream_cpu.json").write_text(json.dumps(merged, indent=2) + "\n")
+    return 0
+
+
+def plot(arms: list[dict], png: pathlib.Path) -> None:
+    """Server CPU per batch, batches per second and (where measured) the stream over memcpy, per
+    thread count and arm (bar: median, tick: worst)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    arms = [json.loads(p.read_text()) for p in paths]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, title in (
-        (axes[0], "server_cpu_ms_per_batch", "server CPU per 16 MiB batch (ms)"),
-        (axes[1], "batches_per_s", "16 MiB batches saved per second"),
-    ):
+    panels = [
+        ("server_cpu_ms_per_batch", "server CPU per 16 MiB batch (ms)"),
+        ("batches_per_s", "16 MiB batches saved per second"),
+    ]
+    if all("save_vs_memcpy" in arm["summary"]["1"] for arm in arms):
+        panels.append(("save_vs_memcpy", "save stream / memcpy, same run"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
+    for ax, (key, title) in zip(axes, panels, strict=True):
         width = 0.8 / len(arms)
         for i, arm in enumerate(arms):
             xs = [t + i * width for t in range(2)]
@@ -157,16 +209,14 @@ def compare(paths: list[pathlib.Path], out: pathlib.Path) -> int:
             worst = [arm["summary"][str(t)][key]["worst"] for t in (1, 2)]
             ax.bar(xs, med, width, label=arm["label"])
             ax.scatter(xs, worst, color="black", marker="_", s=200)
+        if key == "save_vs_memcpy":
+            ax.axhline(0.8, color="gray", linestyle="--", linewidth=1, label="issue 16's 80 %")
         ax.set_xticks([t + 0.4 - width / 2 for t in range(2)], ["1 thread", "2 threads"])
         ax.set_title(title)
         ax.legend()
     fig.suptitle("save stream through client/save_pipeline.py, pool full (bar: median, tick: worst)")
     fig.tight_layout()
-    out.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out / "save_stream_cpu.png", dpi=110)
-    merged = {arm["label"]: arm for arm in arms}
-    (out / "save_stream_cpu.json").write_text(json.dumps(merged, indent=2) + "\n")
-    return 0
+    fig.savefig(png, dpi=110)
 
 
 if __name__ == "__main__":
