@@ -39,13 +39,28 @@ With ``--anchor-site DIR`` (PegaFlow's install, ``pip install --target DIR pegaf
 anchor is measured in the same run, after ours, by bench/pegaflow_anchor.py (its own process: both
 packages are named ``pegaflow``), with the same workload and both save timings.
 
+With ``--stream-inflight 1,2`` each saving rank (solo, MLA writer) also times *streams*: after its
+runs, N threads each send one untimed request (a new connection's first call) and then ``--stream-ops``
+saves back to back (distinct GPU blocks, fresh hashes), then the same loads, timed from the first
+timed request sent to the last answer (every save sealed, every load's bytes in GPU memory), with
+each request's own time (``op_ms``); the last load of each thread is verified on the GPU. With N >= 2
+one request's fixed costs (its frame, checks, first allocation and launch, last seal) can hide behind
+another's copy; N = 1, the same stream one request at a time, is the same-run baseline. The streams
+add ~N x (ops + 1) x request bytes to the pool per layout: give ``--pool-size`` room (56gb for 1,2 and
+6 ops). Drawn in gpu_bench_streams.png.
+
+Each emulated worker times its calls as a long-running vLLM worker makes them: with the client's
+native answer wait in use (built and proven on a thread of its own in the process's first second or
+so; ``client_wait`` in the report) and its start-up heap frozen, as vLLM's engine core freezes it.
+
 Usage: ``python bench/gpu_bench.py [--out DIR] [--anchor-site DIR]`` -> gpu_bench.json, gpu_bench.png
-(``--plot JSON`` redraws the PNG).
+(``--plot JSON`` redraws the PNGs).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import pathlib
@@ -99,6 +114,84 @@ def pinned_ceiling(torch, nbytes: int, reps: int = 5) -> dict:
     return out
 
 
+def stream_phase(client, handle, spec: dict, shape, tensors, dims, inflight: int) -> dict:
+    """``inflight`` threads, each saving ``stream_ops`` requests of ``blocks`` blocks back to back, then
+    loading them back: bytes and wall seconds per phase (module docstring)."""
+    import threading
+
+    import torch
+
+    from pegaflow.bench.gpu_worker_emulator import gather_blocks, zero_blocks
+
+    blocks, ops = spec["blocks"], spec["stream_ops"]
+    if 2 * inflight * blocks > spec["num_blocks"]:
+        raise ValueError(f"{inflight} streams of {blocks} blocks need {2 * inflight * blocks} GPU blocks")
+    sources = [list(range(k * blocks, (k + 1) * blocks)) for k in range(inflight)]
+    targets = [list(range((inflight + k) * blocks, (inflight + k + 1) * blocks)) for k in range(inflight)]
+    tag = f"{spec['hash_prefix']}-stream{inflight}"
+    errors: list[str] = []
+
+    def hashes(k: int, j: int) -> list[bytes]:
+        return [f"{tag}-{k}-{j}-{i}".encode() for i in range(blocks)]
+
+    start = threading.Barrier(inflight)  # the timed requests of all threads start together
+
+    def run(body, phase: str) -> float:
+        threads = [threading.Thread(target=body, args=(k,)) for k in range(inflight)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return max(end for _, end in spans[phase]) - min(start for start, _ in spans[phase])
+
+    # Each request's (start, end) on one clock: a phase runs from its first timed request sent to its
+    # last answer (thread start-up and joins are not the transfer's: measured, ~0.3 s of them on the
+    # host), after one untimed request per thread (a new connection's first call: up to ~0.1 s more).
+    spans: dict[str, list[tuple[float, float]]] = {"save": [], "load": []}
+
+    def saver(k: int) -> None:
+        for j in range(ops + 1):  # j = 0 warms this thread's connection (and the server's thread) up
+            t0 = time.perf_counter()
+            written = client.save_from_device(handle, hashes(k, j), sources[k]).written
+            if j:
+                spans["save"].append((t0, time.perf_counter()))
+            else:
+                start.wait()
+            if written != blocks:
+                errors.append(f"stream save {k}/{j} wrote {written} of {blocks}")
+
+    def loader(k: int) -> None:
+        for j in range(ops + 1):
+            t0 = time.perf_counter()
+            n = client.load_to_device(handle, hashes(k, j), targets[k])
+            if j:
+                spans["load"].append((t0, time.perf_counter()))
+            else:
+                start.wait()
+            if n != blocks:
+                errors.append(f"stream load {k}/{j} loaded {n} of {blocks}")
+
+    save_s = run(saver, "save")
+    zero_blocks(shape, tensors, dims, [i for t in targets for i in t])
+    torch.cuda.synchronize()
+    load_s = run(loader, "load")
+    verified = all(
+        torch.equal(gather_blocks(shape, tensors, targets[k]), gather_blocks(shape, tensors, sources[k]))
+        for k in range(inflight)
+    )
+    if errors:
+        raise RuntimeError("; ".join(errors[:4]))
+    return {
+        "inflight": inflight,
+        "ops": inflight * ops,
+        "nbytes": inflight * ops * blocks * shape.block_bytes,
+        "save_s": save_s,
+        "load_s": load_s,
+        "load_verified": verified,
+        "op_ms": {p: [round((end - start) * 1e3, 3) for start, end in spans[p]] for p in spans},
+    }
+
+
 def worker_main(spec: dict) -> None:
     import numpy as np
     import torch
@@ -126,6 +219,14 @@ def worker_main(spec: dict) -> None:
     }
     client = PegaClient(spec["addr"], timeout_s=30.0, name=f"gpu-bench-{layout}-r{spec['rank']}")
     client.connect()
+    # The client waits for answers natively once its module is built and proven, on a thread of its
+    # own, in the process's first second or so (client/native/frame_wait.py); until then in Python,
+    # holding the interpreter lock while it spins. A vLLM worker runs for hours: time the native wait.
+    from pegaflow.client.native import frame_wait
+
+    frame_wait.start()
+    native_wait = frame_wait.NATIVE.wait_until_ready(60.0)
+    result["client_wait"] = "native" if native_wait else f"python ({frame_wait.EXTENSION.probe()})"
     client_marks = _mark_doorbell_client() if spec.get("timing") else None
     try:
         inst = client.register_instance(
@@ -158,6 +259,12 @@ def worker_main(spec: dict) -> None:
         if spec.get("wait_exit"):  # --turn-after-exit: and after the previous rank's process is gone
             _wait_for(spec["wait_exit"])
             time.sleep(spec.get("turn_gap_s", 0.0))
+        # vLLM's engine core freezes its start-up heap so that full collections skip it
+        # (vllm/v1/engine/core.py: freeze_gc_heap); so does this emulated worker, like for like.
+        gc.collect()
+        gc.freeze()
+        if spec.get("client_switch_interval"):
+            sys.setswitchinterval(spec["client_switch_interval"])
         turn_t0 = time.perf_counter()
         result["rpc_baseline_ms"] = rpc_baseline(client, inst, blocks)
         nbytes = blocks * shape.block_bytes
@@ -206,6 +313,9 @@ def worker_main(spec: dict) -> None:
             if run:
                 loads.append(t4 - t3)
                 verified.append(ok)
+        if spec["role"] in ("solo", "writer"):
+            streams = spec.get("stream_inflight", ())
+            result["streams"] = [stream_phase(client, handle, spec, shape, tensors, dims, n) for n in streams]
         result.update(
             nbytes=nbytes,
             runs=runs,
@@ -420,6 +530,7 @@ def summarize(r: dict) -> dict:
         "rank": r["rank"],
         "role": r["role"],
         "transport": r["transport"],
+        "client_wait": r.get("client_wait", "not recorded"),
         "nbytes": nbytes,
         "rpc_baseline_ms": r["rpc_baseline_ms"],
     }
@@ -435,6 +546,20 @@ def summarize(r: dict) -> dict:
     out.update(load_verified=r["load_verified"], runs=r["runs"])
     if "dedup_written" in r:
         out["dedup_written"] = r["dedup_written"]
+    if r.get("streams"):
+        out["streams"] = [
+            {
+                "inflight": st["inflight"],
+                "ops": st["ops"],
+                "save_gbps": round(st["nbytes"] / st["save_s"] / 1e9, 2),
+                "save_ratio": round(st["nbytes"] / st["save_s"] / 1e9 / ceil_d2h, 4),
+                "load_gbps": round(st["nbytes"] / st["load_s"] / 1e9, 2),
+                "load_ratio": round(st["nbytes"] / st["load_s"] / 1e9 / ceil_h2d, 4),
+                "load_verified": st["load_verified"],
+                "op_ms": st["op_ms"],
+            }
+            for st in r["streams"]
+        ]
     return out
 
 
@@ -609,6 +734,9 @@ def orchestrate(args) -> dict:
                 runs=args.runs,
                 num_blocks=args.num_blocks,
                 timing=args.server_timing,
+                stream_inflight=[int(n) for n in args.stream_inflight.split(",") if n],
+                stream_ops=args.stream_ops,
+                client_switch_interval=args.client_switch_interval,
             )
             solos = [("per_layer", "default"), ("cross_layer", "default")]
             if args.grpc_rows:
@@ -688,6 +816,45 @@ def anchor_rows(report: dict) -> tuple[dict, str]:
         for k, v in ANCHOR_RECORDED.items()
     }
     return recorded, "PegaFlow 0.25.1, recorded 2026-12-01"
+
+
+def plot_streams(report: dict, path: pathlib.Path) -> None:
+    """With ``--stream-inflight``: per layout, the streams' save and load GB/s as a share of the
+    same-run ceiling, one bar per number of requests in flight (nothing drawn without streams)."""
+    rows = [
+        (mode, row) for mode in report["modes"] for row in report["modes"][mode]["rows"] if row.get("streams")
+    ]
+    if not rows:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    counts = sorted({st["inflight"] for _, row in rows for st in row["streams"]})
+    w = 0.8 / len(counts)
+    for ax, direction in zip(axes, ("save", "load"), strict=True):
+        labels = [f"{row['layout']}\n{mode}" for mode, row in rows]
+        for k, n in enumerate(counts):
+            vals = [
+                next((st[f"{direction}_ratio"] * 100 for st in row["streams"] if st["inflight"] == n), 0)
+                for _, row in rows
+            ]
+            pos = [i + (k - (len(counts) - 1) / 2) * w for i in range(len(rows))]
+            ax.bar(pos, vals, w, label=f"{n} in flight")
+            for x, v in zip(pos, vals, strict=True):
+                ax.text(x, v + 1, f"{v:.0f}", ha="center", fontsize=8)
+        ax.axhline(93, color="k", ls="--", lw=0.8, label="93 % target")
+        ax.set_xticks(range(len(rows)), labels)
+        ax.set_title(f"{direction}s sent back to back (first request sent -> last answer)")
+        ax.set_ylabel("% of the same-run pinned ceiling")
+        ax.set_ylim(0, 110)
+    axes[0].legend(loc="lower left", fontsize=8)
+    fig.suptitle(f"gpu_bench streams, {report.get('gpu', '')} ({report.get('started', '')})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot(report: dict, path: pathlib.Path) -> None:
@@ -780,6 +947,12 @@ def main() -> None:
     )
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument(
+        "--stream-inflight",
+        default="",
+        help="also time streams of requests with these numbers in flight, e.g. 1,2 (module docstring)",
+    )
+    ap.add_argument("--stream-ops", type=int, default=4, help="requests per thread in each stream")
+    ap.add_argument(
         "--grpc-rows", action="store_true", help="also run per_layer over plain gRPC (no doorbell)"
     )
     ap.add_argument(
@@ -787,6 +960,12 @@ def main() -> None:
     )
     ap.add_argument(
         "--server-switch-interval", type=float, default=0.0, help="sys.setswitchinterval in the server"
+    )
+    ap.add_argument(
+        "--client-switch-interval",
+        type=float,
+        default=0.0,
+        help="sys.setswitchinterval in the emulated workers (0: CPython's 5 ms, as in vLLM)",
     )
     ap.add_argument(
         "--turn-after-exit",
@@ -805,11 +984,14 @@ def main() -> None:
         worker_main(json.loads(args.worker))
         return
     if args.plot:
-        plot(json.loads(pathlib.Path(args.plot).read_text()), pathlib.Path(args.plot).with_suffix(".png"))
+        report = json.loads(pathlib.Path(args.plot).read_text())
+        plot(report, pathlib.Path(args.plot).with_suffix(".png"))
+        plot_streams(report, pathlib.Path(args.plot).with_name(pathlib.Path(args.plot).stem + "_streams.png"))
         return
     report = orchestrate(args)
     try:
         plot(report, pathlib.Path(args.out) / "gpu_bench.png")
+        plot_streams(report, pathlib.Path(args.out) / "gpu_bench_streams.png")
     except Exception as exc:  # noqa: BLE001 - the JSON is what matters; the plot can be redrawn with --plot
         print("plot failed:", exc)
 
