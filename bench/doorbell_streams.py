@@ -71,7 +71,7 @@ def stream(bell, op: int, inflight: int, ops: int) -> tuple[float, list[float]]:
     hashes = [f"h{i:04d}".encode() for i in range(HASHES)]
     ids = list(range(HASHES))
     spans: list[tuple[float, float]] = []
-    start = threading.Barrier(inflight)
+    together = threading.Barrier(inflight)  # the timed requests of all threads start together
 
     def body() -> None:
         for j in range(ops + 1):  # j = 0: the connection's first call, untimed
@@ -80,7 +80,7 @@ def stream(bell, op: int, inflight: int, ops: int) -> tuple[float, list[float]]:
             if j:
                 spans.append((t0, time.perf_counter()))
             else:
-                start.wait()
+                together.wait(timeout=120)  # a thread that failed never comes: the rest give up
 
     threads = [threading.Thread(target=body) for _ in range(inflight)]
     for t in threads:

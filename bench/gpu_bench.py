@@ -134,7 +134,7 @@ def stream_phase(client, handle, spec: dict, shape, tensors, dims, inflight: int
     def hashes(k: int, j: int) -> list[bytes]:
         return [f"{tag}-{k}-{j}-{i}".encode() for i in range(blocks)]
 
-    start = threading.Barrier(inflight)  # the timed requests of all threads start together
+    together = threading.Barrier(inflight)  # the timed requests of all threads start together
 
     def run(body, phase: str) -> float:
         threads = [threading.Thread(target=body, args=(k,)) for k in range(inflight)]
@@ -156,7 +156,7 @@ def stream_phase(client, handle, spec: dict, shape, tensors, dims, inflight: int
             if j:
                 spans["save"].append((t0, time.perf_counter()))
             else:
-                start.wait()
+                together.wait(timeout=120)  # a thread that failed never comes: the rest give up
             if written != blocks:
                 errors.append(f"stream save {k}/{j} wrote {written} of {blocks}")
 
@@ -167,7 +167,7 @@ def stream_phase(client, handle, spec: dict, shape, tensors, dims, inflight: int
             if j:
                 spans["load"].append((t0, time.perf_counter()))
             else:
-                start.wait()
+                together.wait(timeout=120)  # a thread that failed never comes: the rest give up
             if n != blocks:
                 errors.append(f"stream load {k}/{j} loaded {n} of {blocks}")
 
