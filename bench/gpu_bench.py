@@ -135,6 +135,7 @@ def stream_phase(client, handle, spec: dict, shape, tensors, dims, inflight: int
         return [f"{tag}-{k}-{j}-{i}".encode() for i in range(blocks)]
 
     together = threading.Barrier(inflight)  # the timed requests of all threads start together
+    finished = threading.Barrier(inflight)  # --stream-threads-wait: and end together
 
     def run(body, phase: str) -> float:
         threads = [threading.Thread(target=body, args=(k,)) for k in range(inflight)]
@@ -148,28 +149,38 @@ def stream_phase(client, handle, spec: dict, shape, tensors, dims, inflight: int
     # last answer (thread start-up and joins are not the transfer's: measured, ~0.3 s of them on the
     # host), after one untimed request per thread (a new connection's first call: up to ~0.1 s more).
     spans: dict[str, list[tuple[float, float]]] = {"save": [], "load": []}
+    # (thread, start, end) of each timed request on the server's timing-log clock (CLOCK_MONOTONIC):
+    # matched with its "doorbell-op" lines, they tell a slow request's time in the server from the
+    # time before its frame was read or after its answer was sent.
+    at: dict[str, list[tuple[int, float, float]]] = {"save": [], "load": []}
 
     def saver(k: int) -> None:
         for j in range(ops + 1):  # j = 0 warms this thread's connection (and the server's thread) up
             t0 = time.perf_counter()
             written = client.save_from_device(handle, hashes(k, j), sources[k]).written
             if j:
-                spans["save"].append((t0, time.perf_counter()))
+                spans["save"].append((t0, t1 := time.perf_counter()))
+                at["save"].append((k, t0, t1))
             else:
                 together.wait(timeout=120)  # a thread that failed never comes: the rest give up
             if written != blocks:
                 errors.append(f"stream save {k}/{j} wrote {written} of {blocks}")
+        if spec.get("stream_threads_wait"):
+            finished.wait(timeout=120)
 
     def loader(k: int) -> None:
         for j in range(ops + 1):
             t0 = time.perf_counter()
             n = client.load_to_device(handle, hashes(k, j), targets[k])
             if j:
-                spans["load"].append((t0, time.perf_counter()))
+                spans["load"].append((t0, t1 := time.perf_counter()))
+                at["load"].append((k, t0, t1))
             else:
                 together.wait(timeout=120)  # a thread that failed never comes: the rest give up
             if n != blocks:
                 errors.append(f"stream load {k}/{j} loaded {n} of {blocks}")
+        if spec.get("stream_threads_wait"):
+            finished.wait(timeout=120)
 
     save_s = run(saver, "save")
     zero_blocks(shape, tensors, dims, [i for t in targets for i in t])
@@ -189,6 +200,7 @@ def stream_phase(client, handle, spec: dict, shape, tensors, dims, inflight: int
         "load_s": load_s,
         "load_verified": verified,
         "op_ms": {p: [round((end - start) * 1e3, 3) for start, end in spans[p]] for p in spans},
+        "op_at": {p: [[k, round(start, 6), round(end, 6)] for k, start, end in at[p]] for p in at},
     }
 
 
@@ -668,6 +680,34 @@ def outside_server(raw: list[dict], ops: list[dict]) -> dict:
     }
 
 
+def stream_path(raw: list[dict], bells: list[dict]) -> dict:
+    """Per scenario, stream (in flight) and phase, each timed request's ms split by the server's
+    "doorbell-op" line of the same request (one clock): before its frame was read (client, socket),
+    in the server (read to answer sent) and after the answer was sent (wake-up, client), in the
+    order the requests ended. A slow request whose server part is not slow lost its time outside."""
+    out: dict = {}
+    for r in raw:
+        for st in r.get("streams", ()):
+            for phase, spans in st.get("op_at", {}).items():
+                rows = []
+                for k, start, end in spans:
+                    bell = min(
+                        (b for b in bells if start - 1e-4 <= b.get("read", -1) <= end and "sent" in b),
+                        key=lambda b: b["read"],
+                        default=None,
+                    )
+                    row = {"thread": k, "ms": round((end - start) * 1e3, 3)}
+                    if bell is not None:
+                        row |= {
+                            "before_ms": round((bell["read"] - start) * 1e3, 3),
+                            "server_ms": round((bell["sent"] - bell["read"]) * 1e3, 3),
+                            "after_ms": round((end - bell["sent"]) * 1e3, 3),
+                        }
+                    rows.append(row)
+                out[f"{r['layout']}-r{r['rank']}-x{st['inflight']}-{phase}"] = rows
+    return out
+
+
 def run_anchor(args, out_dir: pathlib.Path) -> dict:
     """bench/pegaflow_anchor.py in its own process, with only PegaFlow's install on the path."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -737,6 +777,7 @@ def orchestrate(args) -> dict:
                 stream_inflight=[int(n) for n in args.stream_inflight.split(",") if n],
                 stream_ops=args.stream_ops,
                 client_switch_interval=args.client_switch_interval,
+                stream_threads_wait=args.stream_threads_wait,
             )
             solos = [("per_layer", "default"), ("cross_layer", "default")]
             if args.grpc_rows:
@@ -796,6 +837,7 @@ def orchestrate(args) -> dict:
                 report["modes"][mode]["outside_server"] = outside_server(report["modes"][mode]["raw"], ops)
                 bells = server_ops(out_dir / f"server-{mode}.log", "doorbell-op")
                 report["modes"][mode]["call_path"] = call_path(report["modes"][mode]["raw"], ops, bells)
+                report["modes"][mode]["stream_path"] = stream_path(report["modes"][mode]["raw"], bells)
         (out_dir / "gpu_bench.json").write_text(json.dumps(report, indent=1))
     if args.anchor_site:
         report["anchor"] = run_anchor(args, out_dir)
@@ -952,6 +994,12 @@ def main() -> None:
         help="also time streams of requests with these numbers in flight, e.g. 1,2 (module docstring)",
     )
     ap.add_argument("--stream-ops", type=int, default=4, help="requests per thread in each stream")
+    ap.add_argument(
+        "--stream-threads-wait",
+        action="store_true",
+        help="a stream's threads wait for each other after their last request instead of exiting "
+        "one by one (is a slow last request another thread's exit?)",
+    )
     ap.add_argument(
         "--grpc-rows", action="store_true", help="also run per_layer over plain gRPC (no doorbell)"
     )

@@ -54,3 +54,7 @@ class FrameCodec(abc.ABC):
 
     @abc.abstractmethod
     def refusal(self, code: grpc.StatusCode, message: str) -> bytes: ...
+
+    def answered(self, context) -> None:
+        """Called once a call's answer is on the socket (a timing log's last mark); nothing here."""
+        return None

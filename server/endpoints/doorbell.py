@@ -28,7 +28,7 @@ from pegaflow.server.gpu import rpc as gpu_rpc
 
 log = logging.getLogger(__name__)
 # The GPU data path's timing log (DEBUG, off in production): with it on, one "doorbell-op {json}"
-# line per request (CLOCK_MONOTONIC seconds: frame read, decoded, handled, answer encoded), which
+# line per request (CLOCK_MONOTONIC seconds: frame read, decoded, handled, answer encoded, sent), which
 # bench/gpu_bench.py matches with the client's clock and the data path's own "gpu-op" lines.
 timing_log = logging.getLogger("pegaflow.server.gpu.timing")
 _OK = status.number(grpc.StatusCode.OK)
@@ -75,11 +75,14 @@ class DoorbellCodec(FrameCodec):
         return self._handle(body, context)
 
     def _timed(self, body: bytes, context: CallContext) -> bytes:
-        marks = {"read": context.arrived, "entered": time.perf_counter()}
+        marks = context.marks = {"read": context.arrived, "entered": time.perf_counter()}
         answer = self._handle(body, context, marks)
         marks["encoded"] = time.perf_counter()
-        timing_log.debug("doorbell-op %s", json.dumps(marks))
         return answer
+
+    def answered(self, context: CallContext) -> None:
+        context.marks["sent"] = time.perf_counter()
+        timing_log.debug("doorbell-op %s", json.dumps(context.marks))
 
     def _handle(self, body: bytes, context: CallContext, marks: dict | None = None) -> bytes:
         req = wire.decode_request(body)  # FrameError: not a doorbell request, the server refuses it

@@ -278,7 +278,7 @@ class CallContext:
     its deadline), as gRPC reports a cancelled call.
     """
 
-    __slots__ = ("_sock", "arrived", "_deadline", "code", "message", "trailing_metadata")
+    __slots__ = ("_sock", "arrived", "_deadline", "code", "message", "trailing_metadata", "marks")
 
     def __init__(self, sock: socket.socket, arrived: float):
         self._sock = sock
@@ -287,6 +287,7 @@ class CallContext:
         self.code = grpc.StatusCode.OK
         self.message = ""
         self.trailing_metadata: tuple = ()
+        self.marks: dict | None = None  # a codec's timing marks for this call (codec.answered)
 
     def set_timeout(self, timeout_s: float | None) -> None:
         self._deadline = None if timeout_s is None else self.arrived + timeout_s
@@ -699,8 +700,9 @@ class UnixFrameServer:
         try:
             if not body:
                 return self._refuse(sock, grpc.StatusCode.UNIMPLEMENTED, "an empty frame is no request")
+            context = CallContext(sock, time.monotonic())
             try:
-                answer = codec.handle(body, CallContext(sock, time.monotonic()))
+                answer = codec.handle(body, context)
             except frames.FrameError as exc:
                 return self._refuse(sock, grpc.StatusCode.UNIMPLEMENTED, str(exc))
         finally:
@@ -710,6 +712,8 @@ class UnixFrameServer:
                 frames.send_all(sock, answer, time.monotonic() + SEND_TIMEOUT_S)
             except OSError:
                 return False
+            if context.marks is not None:
+                codec.answered(context)
         return True
 
     def _refuse(self, sock: socket.socket, code: grpc.StatusCode, reason: str) -> bool:

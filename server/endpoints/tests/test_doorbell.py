@@ -7,6 +7,8 @@ errors (identical to the RPCs'), metrics, deadlines, and that a request is never
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import signal
 import socket
@@ -260,3 +262,25 @@ def test_a_stopped_doorbell_costs_a_call_no_more_than_its_deadline(sock_dir):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         proc.stdout.close()
+
+
+def test_the_timing_log_marks_each_call_until_its_answer_is_sent(sock_dir, caplog):
+    # bench/gpu_bench.py matches these lines with the client's clock: a request slow at the client but
+    # not between "read" and "sent" lost its time outside the server.
+    path = os.path.join(sock_dir, "d.sock")
+    server = DoorbellServer(path, StandInGpu(), "e1", ServerConfig(pool_size_bytes=64 << 20))
+    server.start()
+    bell = DoorbellClient(path, "e1")
+    try:
+        with caplog.at_level(logging.DEBUG, logger="pegaflow.server.gpu.timing"):
+            before = time.perf_counter()
+            assert bell.call(OP_SAVE, "s", "g-any", HASHES, list(range(8)), time.monotonic() + 5)[0] == 8
+            after = time.perf_counter()
+            wait_for(lambda: any("doorbell-op" in r.getMessage() for r in caplog.records), timeout_s=10)
+    finally:
+        bell.close()
+        server.stop()
+    (line,) = [r.getMessage() for r in caplog.records if "doorbell-op" in r.getMessage()]
+    marks = json.loads(line.split("doorbell-op ", 1)[1])
+    steps = [marks[k] for k in ("read", "entered", "decoded", "handled", "encoded", "sent")]
+    assert steps == sorted(steps) and before <= steps[0] and steps[-1] <= after
