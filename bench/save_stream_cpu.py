@@ -14,6 +14,12 @@ worst. The CPU per batch counts the save windows only.
     .venv/bin/python bench/save_stream_cpu.py --seconds 8 --repeats 2 --out DIR [--label NAME]
     .venv/bin/python bench/save_stream_cpu.py --server-pythonpath DIR ...   # another commit's server
     .venv/bin/python bench/save_stream_cpu.py --compare A.json B.json --out DIR   # the two on one plot
+    .venv/bin/python bench/save_stream_cpu.py --no-copy ...   # the protocol and the server alone
+
+``--no-copy``: the same stream with the client's copy left out (each batch allocated and sealed, its
+slots keeping the fill's bytes: nobody reads them here), so its GB/s is the most the RPCs and the
+server's bookkeeping let through, whatever the copy costs: the ceiling of the save path on this
+machine, against the same memcpy windows.
 
 The client is always this tree's; ``--server-pythonpath`` starts the server from another tree (a
 directory holding a ``pegaflow`` link to a worktree of another commit): the before arm of an A/B of
@@ -59,7 +65,14 @@ def cpu_seconds(proc: psutil.Process) -> float:
 RING = 32  # batches per thread in the memcpy reference's destination: 512 MiB, beyond the caches
 
 
-def run(threads: int, seconds: float, tmp: pathlib.Path, server_pythonpath: str | None, windows: int) -> dict:
+def run(
+    threads: int,
+    seconds: float,
+    tmp: pathlib.Path,
+    server_pythonpath: str | None,
+    windows: int,
+    copy: bool = True,
+) -> dict:
     env = {**os.environ, "PYTHONPATH": server_pythonpath} if server_pythonpath else None
     with ServerProcess(tmp / f"t{threads}", pool_size=POOL, http_addr=None, env=env) as srv:
         c = PegaClient(srv.addr, timeout_s=60.0, name="save-stream-cpu")
@@ -73,6 +86,9 @@ def run(threads: int, seconds: float, tmp: pathlib.Path, server_pythonpath: str 
                 write_blocks(c.pool_view(batch.epoch), batch.allocations, src)
                 return ()
 
+            def leave(_i, _batch) -> tuple:  # --no-copy: sealed as granted, never read
+                return ()
+
             fill = [[f"fill-{i}-{j}".encode() for j in range(BATCH)] for i in range(3 * 1024 // 16 + 2)]
             save_batches(c, inst, fill, write)  # the pool full: every measured save evicts
             server, me = psutil.Process(srv.proc.pid), psutil.Process()
@@ -83,7 +99,7 @@ def run(threads: int, seconds: float, tmp: pathlib.Path, server_pythonpath: str 
                 while time.monotonic() < end:
                     rep = reps[k] = reps[k] + 1
                     chunks = [[f"s{k}-{rep}-{i}-{j}".encode() for j in range(BATCH)] for i in range(STREAM)]
-                    save_batches(c, inst, chunks, write)
+                    save_batches(c, inst, chunks, write if copy else leave)
                     done[k] += STREAM
 
             def memcpy(k: int, end: float, done: list[int]) -> None:
@@ -122,6 +138,7 @@ def run(threads: int, seconds: float, tmp: pathlib.Path, server_pythonpath: str 
     ratios = [a / b for a, b in zip(save_gbps, memcpy_gbps, strict=True)]
     return {
         "threads": threads,
+        "copy": copy,
         "batches": n,
         "batches_per_s": n / elapsed,
         "gbps": n * BATCH * BLOCK / elapsed / 1e9,
@@ -143,6 +160,7 @@ def main() -> int:
     ap.add_argument("--server-pythonpath", default=None)
     ap.add_argument("--compare", type=pathlib.Path, nargs="+", default=None)
     ap.add_argument("--windows", type=int, default=4, help="save / memcpy window pairs per run")
+    ap.add_argument("--no-copy", action="store_true", help="leave the client's copy out (docstring)")
     args = ap.parse_args()
     if args.compare:
         return compare(args.compare, args.out)
@@ -150,7 +168,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="save-stream-cpu-") as d:
         for _ in range(args.repeats):
             for threads in (1, 2):
-                row = run(threads, args.seconds, pathlib.Path(d), args.server_pythonpath, args.windows)
+                copy = not args.no_copy
+                row = run(threads, args.seconds, pathlib.Path(d), args.server_pythonpath, args.windows, copy)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     summary = {}
@@ -168,6 +187,7 @@ def main() -> int:
     result = {
         "label": args.label,
         "server_pythonpath": args.server_pythonpath,
+        "copy": not args.no_copy,
         "rows": rows,
         "summary": summary,
     }
