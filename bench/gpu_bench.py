@@ -45,7 +45,9 @@ saves back to back (distinct GPU blocks, fresh hashes), then the same loads, tim
 timed request sent to the last answer (every save sealed, every load's bytes in GPU memory), with
 each request's own time (``op_ms``); the last load of each thread is verified on the GPU. With N >= 2
 one request's fixed costs (its frame, checks, first allocation and launch, last seal) can hide behind
-another's copy; N = 1, the same stream one request at a time, is the same-run baseline. The streams
+another's copy; N = 1, the same stream one request at a time, is the same-run baseline. The threads
+wait for each other after their last request, as a vLLM worker's pool threads live on (a thread ending
+in this torch process held the other's last answer 21-40 ms: ``--no-stream-threads-wait``). The streams
 add ~N x (ops + 1) x request bytes to the pool per layout: give ``--pool-size`` room (56gb for 1,2 and
 6 ops). Drawn in gpu_bench_streams.png.
 
@@ -996,9 +998,11 @@ def main() -> None:
     ap.add_argument("--stream-ops", type=int, default=4, help="requests per thread in each stream")
     ap.add_argument(
         "--stream-threads-wait",
-        action="store_true",
-        help="a stream's threads wait for each other after their last request instead of exiting "
-        "one by one (is a slow last request another thread's exit?)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a stream's threads wait for each other after their last request, as a vLLM worker's "
+        "pool threads live on; --no-stream-threads-wait lets each exit after its last request (in a "
+        "torch/CUDA process that held the other thread's last answer 21-40 ms: server/gpu/README.md)",
     )
     ap.add_argument(
         "--grpc-rows", action="store_true", help="also run per_layer over plain gRPC (no doorbell)"

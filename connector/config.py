@@ -18,7 +18,7 @@ Every key is optional:
                          seal, release, health probes (default 2000).
   retry_interval_s       longest wait between attempts to attach to, or re-probe, a server
                          that is down or slow (default 2.0; attempts back off from 0.1 s).
-  max_pending_saves      save batches queued behind the one in flight; more are dropped, so
+  max_pending_saves      save batches queued behind those in flight; more are dropped, so
                          a slow server cannot hold vLLM's blocks (default 16).
   model_id               model identity in the namespace (default: the served model's path
                          or name). Set it to share a cache between copies of one model at

@@ -56,6 +56,13 @@ log = logging.getLogger("vllm.pegaflow.connector.worker")
 
 
 _DEVICE_RETRY_S = 30.0  # CUDA path: how often a refused device registration is asked again
+# CUDA path: save jobs run this many at a time. The server copies a request's bytes at the link's
+# rate but spends ~1.5 ms of each request (its frame, checks, first allocation and launch, its last
+# seal and answer) outside the copy; with a second request in flight those pass while the first
+# one's bytes move. Streams of 576 MiB saves on the H100 host: 87-89 % of the link one at a time,
+# 97.5-98.2 % two at a time (MLA 78 -> 85 %; server/gpu/README.md, 2026-12-07, tenth session).
+# The host path stays at one: there this process copies, and a second copy thread only contends.
+_CUDA_SAVES_IN_FLIGHT = 2
 
 
 def _remaining(deadline: float) -> float:
@@ -295,6 +302,8 @@ class WorkerConnector:
         self._pending_saves: collections.Counter[str] = collections.Counter()
         self._awaiting_free: set[str] = set()
         self._device_handle: Any = None
+        self._device_lock = threading.Lock()  # one registration at a time (save and load threads)
+        self._stats_lock = threading.Lock()  # counters several save threads add to
         self._device_retry_at = 0.0  # CUDA path: no registration attempt before this time
         self._device_refusal = ""  # the server's last refusal, logged once
         self.stats = collections.Counter()  # lifetime detail, for logs and tests
@@ -392,6 +401,13 @@ class WorkerConnector:
         assert self.layout is not None
         self.layout = dataclasses.replace(self.layout, layout=gpu.layout_tag)
         self.gpu = gpu
+        self._start_save_threads(_CUDA_SAVES_IN_FLIGHT)
+
+    def _start_save_threads(self, n: int) -> None:
+        """Runs save jobs ``n`` at a time from now on (before the first save: at registration)."""
+        old = self._save_thread
+        self._save_thread = ThreadPoolExecutor(n, "pegaflow-save", initializer=self._pin_transfer_thread)
+        old.shutdown(wait=True)
 
     def handshake(self) -> PegaHandshake:
         """The layout this worker stores under, or None (and why) when it runs without cache."""
@@ -405,6 +421,12 @@ class WorkerConnector:
 
         A server that refuses the registration (no GPU data path, a layout it cannot copy) is
         asked again at most every _DEVICE_RETRY_S, and the refusal is logged once."""
+        if self._device_handle is not None:
+            return self._device_handle
+        with self._device_lock:  # a second caller waits for the first one's registration
+            return self._register_device(client, inst)
+
+    def _register_device(self, client: Any, inst: Any) -> Any:
         from pegaflow.client import errors
 
         if self._device_handle is not None:
@@ -842,7 +864,7 @@ class WorkerConnector:
         saves = [t for t in meta.saves if t.req_id not in failed]
         if len(saves) < len(meta.saves):
             skipped = sum(len(t.block_ids) for t in meta.saves if t.req_id in failed)
-            self.stats["save_blocks_skipped_failed_load"] += skipped
+            self._count("save_blocks_skipped_failed_load", skipped)
             self.metrics.add("save_dropped_blocks", skipped)
         self.submit_saves(saves)
         if _trace.enabled:
@@ -884,7 +906,7 @@ class WorkerConnector:
         for job in jobs:
             with job.lock:  # waits for a copy in progress, then no copy starts
                 job.cancelled = True
-            self.stats["save_jobs_preempted"] += 1
+            self._count("save_jobs_preempted")
 
     def submit_saves(self, saves: list[BlockTransfer]) -> None:
         if not saves or not self.active:
@@ -899,7 +921,7 @@ class WorkerConnector:
         for t in saves:
             # a namespace shared by the TP group (MLA): each block has one writer rank
             t_ids, t_hashes = mla.own_blocks(lay.mla, lay.tp_rank, lay.tp_size, t.block_ids, t.block_hashes)
-            self.stats["save_blocks_other_rank"] += len(t.block_ids) - len(t_ids)
+            self._count("save_blocks_other_rank", len(t.block_ids) - len(t_ids))
             if not t_ids:
                 continue
             # the chain's head goes first: the server restates the whole chain (see BlockTransfer)
@@ -916,14 +938,14 @@ class WorkerConnector:
         if not nblocks:
             return
         if self.link.usable() is None:
-            self.stats["save_blocks_skipped_unavailable"] += nblocks
+            self._count("save_blocks_skipped_unavailable", nblocks)
             self.metrics.add("save_dropped_blocks", nblocks)
             return
         ready = self.gpu.record_ready() if self.gpu is not None else None
         job = _SaveJob(block_ids, hashes, req_ids, ready)
         with self._save_lock:
             if len(self._save_jobs) > self.cfg.max_pending_saves:
-                self.stats["save_blocks_dropped_backlog"] += nblocks
+                self._count("save_blocks_dropped_backlog", nblocks)
                 self.metrics.add("save_dropped_blocks", nblocks)
                 return
             self._save_jobs.append(job)
@@ -967,8 +989,15 @@ class WorkerConnector:
                         del self._pending_saves[rid]
 
     def _save_failed(self) -> None:
-        self.stats["save_jobs_failed"] += 1
+        self._count("save_jobs_failed")
         self.metrics.add("save_failures")
+
+    def _count(self, key: str, n: int = 1) -> None:
+        """``stats[key] += n`` for the save path's counters: the step thread and the save threads
+        (two at once on the CUDA path) add to the same keys, and a Counter's ``+=`` is a read and a
+        write another thread can come between."""
+        with self._stats_lock:
+            self.stats[key] += n
 
     def _save_host(self, client: Any, inst: Any, job: _SaveJob) -> bool:
         """The job's blocks, in the largest batches the server takes, through the client's save
@@ -1019,9 +1048,9 @@ class WorkerConnector:
         if _trace.enabled:
             _trace.span("save_batches", t0, batches=len(chunks), blocks=len(job.hashes))
         granted = sum(a.granted for batch in saved for a in batch.allocations)
-        self.stats["save_blocks_deduplicated"] += len(job.hashes) - granted
+        self._count("save_blocks_deduplicated", len(job.hashes) - granted)
         self.metrics.add("save_deduplicated_blocks", len(job.hashes) - granted)
-        self.stats["saved_blocks"] += sealed
+        self._count("saved_blocks", sealed)
         self.metrics.add("save_blocks", sealed)
         self.metrics.add("save_bytes", sealed * block_bytes)
         return True
@@ -1033,7 +1062,7 @@ class WorkerConnector:
         False when nothing was saved (no device registration, or cancelled)."""
         handle = self._device_handle_for(client, inst)
         if handle is None:
-            self.stats["save_blocks_skipped_unavailable"] += len(job.hashes)
+            self._count("save_blocks_skipped_unavailable", len(job.hashes))
             self.metrics.add("save_dropped_blocks", len(job.hashes))
             return False
         start = 0
@@ -1045,8 +1074,8 @@ class WorkerConnector:
                     return False
                 result = self.gpu.save(client, handle, chunk, ids, self.cfg.rpc_timeout_s, ready=job.ready)
             written = int(result[1]) if isinstance(result, tuple) else int(getattr(result, "written", 0))
-            self.stats["saved_blocks"] += written
-            self.stats["save_blocks_deduplicated"] += len(chunk) - written
+            self._count("saved_blocks", written)
+            self._count("save_blocks_deduplicated", len(chunk) - written)
             self.metrics.add("save_blocks", written)
             self.metrics.add("save_bytes", written * self.gpu.block_bytes)
             self.metrics.add("save_deduplicated_blocks", len(chunk) - written)
