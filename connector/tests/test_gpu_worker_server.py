@@ -23,22 +23,41 @@ if not cuda_runtime.available():
 
 
 def _provide_vllm_marker_classes() -> None:
-    """The worker needs one thing from vLLM: the two empty marker base classes metadata.py
-    derives from. vLLM cannot be installed on our GPU host, so there (only) they are defined
-    here, as empty classes like vLLM's; every line of the worker and below is the real one."""
+    """The worker needs two things from vLLM: the two empty marker base classes metadata.py
+    derives from, and the connector-stats base classes stats.py derives from (a dataclass holding
+    ``data``, a Prometheus base the worker never instantiates). vLLM cannot be installed on our GPU
+    host, so there (only) they are defined here, shaped like vLLM's; every line of the worker and
+    below is the real one."""
     try:
         import vllm.distributed.kv_transfer.kv_connector.v1.base  # noqa: F401
+        import vllm.distributed.kv_transfer.kv_connector.v1.metrics  # noqa: F401
     except ImportError:
+        import dataclasses
         import sys
         import types
+        import typing
 
-        base = types.ModuleType("vllm.distributed.kv_transfer.kv_connector.v1.base")
+        def module(name: str) -> types.ModuleType:
+            parts = name.split(".")
+            for i in range(1, len(parts)):
+                sys.modules.setdefault(".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+            sys.modules[name] = types.ModuleType(name)
+            return sys.modules[name]
+
+        base = module("vllm.distributed.kv_transfer.kv_connector.v1.base")
         base.KVConnectorMetadata = type("KVConnectorMetadata", (), {})
         base.KVConnectorHandshakeMetadata = type("KVConnectorHandshakeMetadata", (), {})
-        parts = base.__name__.split(".")
-        for i in range(1, len(parts)):
-            sys.modules.setdefault(".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
-        sys.modules[base.__name__] = base
+        metrics = module("vllm.distributed.kv_transfer.kv_connector.v1.metrics")
+
+        @dataclasses.dataclass
+        class KVConnectorStats:
+            data: dict = dataclasses.field(default_factory=dict)
+
+        metrics.KVConnectorStats = KVConnectorStats
+        metrics.KVConnectorPromMetrics = type("KVConnectorPromMetrics", (), {})
+        metrics.PromMetric = typing.Any
+        metrics.PromMetricT = typing.TypeVar("PromMetricT")
+        module("vllm.v1.metrics.utils").create_metric_per_engine = lambda *a, **k: None
 
 
 _provide_vllm_marker_classes()
