@@ -36,6 +36,7 @@ from pegaflow.server.store.stats import EngineStats, scalar_fields
 log = logging.getLogger(__name__)
 
 NOT_FOUND_METADATA_KEY = "pegaflow-not-found"
+ANSWER_MARGIN_S = 0.25
 
 
 def _status_of(exc: Exception, context: grpc.ServicerContext) -> tuple[grpc.StatusCode, str] | None:
@@ -64,6 +65,12 @@ def _handler(fn):
             return framed(self, request, context)
 
     return wrapper
+
+
+def _leaving_time_to_answer(deadline: float) -> float:
+    """A deadline for a part of a handler that may wait (a child process, a lock): the caller's,
+    less a fifth of the time left (at most 0.25 s) to build and send the answer."""
+    return deadline - min(ANSWER_MARGIN_S, 0.2 * max(deadline - time.monotonic(), 0.0))
 
 
 # The same frame around the calls of the local endpoints that have no servicer method (the doorbell).
@@ -404,7 +411,9 @@ class EngineServicer(pb_grpc.EngineServicer):
         names = self._metrics.model_names if self._metrics is not None else SHOWN
         resp = stats_response(self._engine.stats(deadline=deadline), names)
         if self._metrics is not None:
-            measured, ceiling = self._metrics.window_rates()
+            # The sketches may be seconds behind on a busy host: wait for them only while the answer
+            # can still arrive in time (without the ceiling if they are late).
+            measured, ceiling = self._metrics.window_rates(_leaving_time_to_answer(deadline))
             for name, value in measured.items():
                 if value is not None:
                     resp.measured_hit_rate[name] = value

@@ -71,7 +71,8 @@ class LookupSketches:
         self.requests = 0
         self._lock = threading.Lock()
 
-    def add(self, records: Sequence[LookupRecord]) -> None:
+    def add(self, records: Sequence[LookupRecord], deadline: float | None = None) -> None:
+        # deadline: SketchProcess's interface; computed here, nothing to wait for
         keys: list[bytes] = []
         mrc_keys: list[bytes] = []
         sizes: list[int] = []
@@ -93,7 +94,7 @@ class LookupSketches:
                 self.mrc.add(mrc_keys, sizes)
             self.requests += len(keys)
 
-    def snapshot(self) -> SketchSnapshot:
+    def snapshot(self, deadline: float | None = None) -> SketchSnapshot:
         with self._lock:
             return SketchSnapshot(
                 ceiling={w: self.ceiling.ceiling(w) for w in self.windows},

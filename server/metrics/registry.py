@@ -52,6 +52,9 @@ MAX_FEED_DEFER_S = 0.1
 FORCED_FEED_S = 0.05
 BUSY_PAUSE_S = 0.0005
 SKETCH_MODES = ("process", "thread")
+# A scrape's wait for the lookup sketches (their process may be seconds behind on a busy host): the
+# engine's families take up to 2 s of Prometheus' default 10 s scrape timeout, the windows this much.
+SCRAPE_WINDOWS_BUDGET_S = 3.0
 # With the sketches in their own process a slice costs the feeder a frame's packing per lookup, not
 # the sketches' per-key work: slices are that much longer (one frame, one write each).
 PROCESS_FEED_SLICE_KEYS = 1024
@@ -184,34 +187,40 @@ class ServerMetrics(EngineObserver):
 
     # ------------------------------------------------------------ windows
 
-    def window_rates(self) -> tuple[dict[str, float | None], dict[str, float | None]]:
+    def window_rates(
+        self, deadline: float | None = None
+    ) -> tuple[dict[str, float | None], dict[str, float | None]]:
         """(measured hit rate, HLL ceiling) per window; None where a window saw no lookups (or the
-        sketches are unavailable)."""
-        measured, snap = self.window_state()
+        sketches are unavailable, or could not answer before ``deadline``)."""
+        measured, snap = self.window_state(deadline)
         ceiling = dict(snap.ceiling) if snap is not None else dict.fromkeys(self.windows)
         return measured, ceiling
 
-    def window_state(self) -> tuple[dict[str, float | None], SketchSnapshot | None]:
+    def window_state(
+        self, deadline: float | None = None
+    ) -> tuple[dict[str, float | None], SketchSnapshot | None]:
         """The measured hit rate per window and the sketches' snapshot, both after every pending
-        lookup was fed: one snapshot for all a scrape's window families."""
-        self.flush()
+        lookup was fed: one snapshot for all a scrape's window families. ``deadline``
+        (``time.monotonic``): the caller's; no wait for the sketches goes past it (the snapshot is
+        then None, and pending lookups the sketches could not take in time are dropped and counted)."""
+        self.flush(deadline=deadline)
         with self._state_lock:
             measured = self.hit_rate.rates()
-        return measured, self.sketch_snapshot(flush=False)
+        return measured, self.sketch_snapshot(flush=False, deadline=deadline)
 
-    def sketch_snapshot(self, flush: bool = True) -> SketchSnapshot | None:
+    def sketch_snapshot(self, flush: bool = True, deadline: float | None = None) -> SketchSnapshot | None:
         """The lookup sketches now (every lookup fed so far counted), None while unavailable."""
         if flush:
-            self.flush()
-        return self.sketches.snapshot() if self.sketches is not None else None
+            self.flush(deadline=deadline)
+        return self.sketches.snapshot(deadline) if self.sketches is not None else None
 
-    def flush(self, max_rounds: int = 4) -> None:
+    def flush(self, max_rounds: int = 4, deadline: float | None = None) -> None:
         """Feeds pending lookups now, so a scrape sees up-to-date windows; bounded, so a scrape
         never does more than a few batches of the feeder's work when it has fallen behind."""
         for _ in range(max_rounds):
-            if not self._pending:
+            if not self._pending or (deadline is not None and time.monotonic() >= deadline):
                 return
-            self._feed_some(MAX_KEYS_PER_ADD)
+            self._feed_some(MAX_KEYS_PER_ADD, deadline)
 
     def _feed_loop(self) -> None:
         while not self._stop.is_set():
@@ -229,7 +238,7 @@ class ServerMetrics(EngineObserver):
             except Exception:
                 log.exception("metrics feeder failed; continuing")
 
-    def _feed_some(self, max_keys: int) -> None:
+    def _feed_some(self, max_keys: int, deadline: float | None = None) -> None:
         """Feeds up to ``max_keys`` keys of the pending lookups, oldest first. A lookup longer than
         what is left of ``max_keys`` is split: its tail now (the miss-ratio curve takes a lookup's
         keys tail first), its head back at the front of the queue, its leading hits shared out."""
@@ -257,7 +266,7 @@ class ServerMetrics(EngineObserver):
             self.hit_rate.add(hits, requests)
         self.insights.add_hits(batch)
         if self.sketches is not None:
-            self.sketches.add(records)
+            self.sketches.add(records, deadline)
 
 
 class _StatsCollector:
@@ -327,7 +336,7 @@ class _EngineCollector:
             yield family
 
     def _window_families(self):
-        measured, snap = self._metrics.window_state()
+        measured, snap = self._metrics.window_state(time.monotonic() + SCRAPE_WINDOWS_BUDGET_S)
         ceiling = snap.ceiling if snap is not None else {}
         rate = GaugeMetricFamily(
             "pegaflow_measured_hit_rate", "Block hit rate over the window", labels=["window"]

@@ -35,6 +35,12 @@ killed and started again (at most once per ``restart_backoff_s``; its windows st
 snapshot that cannot be had is None (the collectors then export no sketch series). The engine never
 waits on it: only the feeder thread and scrapes touch the socket. The child exits when the socket
 closes, and on the parent's death (PR_SET_PDEATHSIG).
+
+A snapshot asked for with a ``deadline`` (GetStats, a scrape) is None once the deadline passes,
+whatever the child is doing: a healthy child that is behind (seconds of backlog at nice +10 on a
+busy host) is waited for up to ``start_timeout_s``, longer than any caller's deadline (CI saw a
+10 s GetStats time out). The child is not blamed for the caller's hurry: its answer, owed to a
+snapshot that stopped waiting, is read and dropped before the next snapshot asks again.
 """
 
 from __future__ import annotations
@@ -146,6 +152,8 @@ class SketchProcess:
         self._backlog: collections.deque[tuple[bytes, int]] = collections.deque()
         self._backlog_bytes = 0
         self._closed = False
+        self._owed = 0  # snapshot answers the child still owes to callers that stopped waiting
+        self._send_room = 0
         self._start_locked()
 
     @property
@@ -177,8 +185,11 @@ class SketchProcess:
         parent.settimeout(0)  # non-blocking: frames.send_all / recv_exact wait with their own deadlines
         # Room for bursts while the child catches up (the kernel caps it at net.core.wmem_max).
         parent.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+        # What the kernel granted, in its own accounting (the unread bytes below count the same way).
+        self._send_room = parent.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
         self._sock = parent
         self._ready = False
+        self._owed = 0
         self._started_at = time.monotonic()
         self._next_start = self._started_at + self.restart_backoff_s
 
@@ -237,19 +248,33 @@ class SketchProcess:
         out = fcntl.ioctl(self._sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
         return struct.unpack("i", out)[0]
 
-    def _read_answer_locked(self) -> bytes | None:
-        """The child's answer to a snapshot, which comes after every frame fed before it: a child
-        that is behind but reading (a busy host gives a nice +10 process little CPU) is waited for,
-        up to ``start_timeout_s`` in all; one that reads nothing for ``io_timeout_s`` is stalled."""
-        give_up = time.monotonic() + self.start_timeout_s
+    def _read_answer_locked(self, deadline: float | None = None) -> bytes | None:
+        """The child's next answer, which comes after every frame fed before it: a child that is
+        behind but reading (a busy host gives a nice +10 process little CPU) is waited for, up to
+        ``start_timeout_s`` in all; one that reads nothing for ``io_timeout_s`` is stalled
+        (TimeoutError). ``deadline``: the caller's; past it, None (the answer is still owed)."""
+        now = time.monotonic()
+        give_up, progress_at = now + self.start_timeout_s, now
         unread = self._unread_bytes()
         while True:
-            if frames.readable(self._sock, self.io_timeout_s):
-                return frames.read_frame(self._sock, MAX_FRAME_BYTES, time.monotonic() + self.io_timeout_s)
+            wait = progress_at + self.io_timeout_s - now  # until the child counts as stalled
+            if deadline is not None:
+                wait = min(wait, deadline - now)
+            if frames.readable(self._sock, max(wait, 0.0)):
+                body = frames.read_frame(self._sock, MAX_FRAME_BYTES, time.monotonic() + self.io_timeout_s)
+                if body is None:
+                    raise ConnectionError("closed")
+                return body
+            now = time.monotonic()
             now_unread = self._unread_bytes()
-            if now_unread >= unread or time.monotonic() >= give_up:
+            if now_unread < unread:
+                unread, progress_at = now_unread, now
+            elif now - progress_at >= self.io_timeout_s:
                 raise TimeoutError(f"no answer, {now_unread} bytes unread")
-            unread = now_unread
+            if now >= give_up:
+                raise TimeoutError(f"no answer {self.start_timeout_s:.0f} s after it was asked")
+            if deadline is not None and now >= deadline:
+                return None
 
     def wait_ready(self, timeout_s: float | None = None) -> bool:
         """Wait (up to ``timeout_s``, default the start timeout) until a child is ready; False if none is."""
@@ -268,11 +293,19 @@ class SketchProcess:
 
     # ------------------------------------------------------------------ interface
 
-    def add(self, records: Sequence[LookupRecord]) -> None:
+    def add(self, records: Sequence[LookupRecord], deadline: float | None = None) -> None:
+        """Hands ``records`` to the child (or its start's backlog). ``deadline``: a caller that cannot
+        wait (a GetStats flushing the pending lookups) drops and counts the records rather than wait
+        for the socket's lock past it or for room in the socket of a child that is behind."""
         if not records:
             return
         frame = encode_records(records)
-        with self._lock:
+        if deadline is None:
+            self._lock.acquire()
+        elif not self._lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+            self.dropped_records += len(records)
+            return
+        try:
             if not self._ready_locked():
                 self.dropped_records += len(records)
                 return
@@ -284,27 +317,53 @@ class SketchProcess:
                     else:
                         self.dropped_records += len(records)
                     return
+                if deadline is not None and self._unread_bytes() + len(frame) > self._send_room:
+                    self.dropped_records += len(records)  # the send would wait for the child
+                    return
                 frames.send_all(self._sock, frame, time.monotonic() + self.io_timeout_s)
             except (OSError, ValueError) as exc:  # a timeout too: a partial frame leaves the stream unusable
                 self.dropped_records += len(records)
                 self._fail_locked(f"feeding failed ({exc!r})")
+        finally:
+            self._lock.release()
 
-    def snapshot(self) -> SketchSnapshot | None:
-        with self._lock:
+    def snapshot(self, deadline: float | None = None) -> SketchSnapshot | None:
+        """The sketches now (every record fed before counted); None while there is no ready child,
+        or once ``deadline`` (``time.monotonic``) passes: the socket's lock, the child's start and
+        its answer are each waited for only until then."""
+        if deadline is None:
+            self._lock.acquire()
+        elif not self._lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+            return None  # the feeder is handing a frame to a child that is behind
+        try:
             if not self._ready_locked():
                 return None
             try:
-                if not self._await_ready_locked(self.io_timeout_s):
+                wait = (
+                    self.io_timeout_s
+                    if deadline is None
+                    else min(self.io_timeout_s, deadline - time.monotonic())
+                )
+                if not self._await_ready_locked(max(wait, 0.0)):
                     return None  # still starting: no sketch series this scrape
-                deadline = time.monotonic() + self.io_timeout_s
-                frames.send_all(self._sock, frames.encode_frame(bytes((SNAPSHOT,))), deadline)
-                body = self._read_answer_locked()
-                if not body:
-                    raise ConnectionError("closed")
+                while self._owed:  # answers to snapshots that stopped waiting: stale, dropped
+                    if self._read_answer_locked(deadline) is None:
+                        return None
+                    self._owed -= 1
+                frames.send_all(
+                    self._sock, frames.encode_frame(bytes((SNAPSHOT,))), time.monotonic() + self.io_timeout_s
+                )
+                self._owed += 1
+                body = self._read_answer_locked(deadline)
+                if body is None:
+                    return None  # the child is behind, not stalled: its answer is read next time
+                self._owed -= 1
                 return SketchSnapshot.from_json(json.loads(body))
             except (OSError, ValueError, KeyError, TypeError) as exc:  # FrameError is a ValueError
                 self._fail_locked(f"no snapshot ({exc!r})")
                 return None
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
         with self._lock:

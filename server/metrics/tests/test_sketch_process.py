@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import struct
+import threading
 import time
 
 import pytest
@@ -207,3 +208,61 @@ def test_the_child_runs_below_the_server_s_priority(proc):
     assert os.getpriority(os.PRIO_PROCESS, proc.pid) == os.getpriority(os.PRIO_PROCESS, 0) + min(
         sketch_process.CHILD_NICE, 19 - os.getpriority(os.PRIO_PROCESS, 0)
     )
+
+
+@pytest.mark.timeout(30)
+def test_a_snapshot_with_a_deadline_gives_up_in_time_and_keeps_a_child_that_is_behind(proc):
+    proc.add(records(1))
+    assert proc.snapshot().requests == 32
+    behind = proc.pid
+    os.kill(behind, signal.SIGSTOP)  # a child seconds behind, as at nice +10 on a busy host
+    try:
+        proc.add(records(1))
+        started = time.monotonic()
+        assert proc.snapshot(deadline=started + 0.3) is None
+        assert time.monotonic() - started < 0.3 + 0.5  # not the io timeout (2 s)
+        started = time.monotonic()
+        assert proc.snapshot(deadline=started + 0.3) is None  # its answer still owed: no second ask
+        assert time.monotonic() - started < 0.3 + 0.5
+    finally:
+        os.kill(behind, signal.SIGCONT)
+    proc.add(records(2))
+    # The owed (stale) answers are dropped: this one counts every record fed before it.
+    assert proc.snapshot().requests == 4 * 32
+    assert proc.pid == behind and proc.restarts == 0
+
+
+@pytest.mark.timeout(30)
+def test_a_snapshot_with_a_deadline_does_not_wait_for_the_feeder_past_it(proc):
+    def hold():  # the feeder handing a frame to a child that is behind
+        with proc._lock:
+            time.sleep(1.5)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        time.sleep(0.05)
+        started = time.monotonic()
+        assert proc.snapshot(deadline=started + 0.2) is None
+        assert time.monotonic() - started < 0.2 + 0.4
+    finally:
+        holder.join()
+    assert proc.snapshot() is not None and proc.restarts == 0
+
+
+@pytest.mark.timeout(60)
+def test_an_add_with_a_deadline_never_waits_for_room_in_a_full_socket(proc):
+    behind = proc.pid
+    os.kill(behind, signal.SIGSTOP)
+    try:
+        record = records(1, per=64)
+        longest = 0.0
+        for _ in range(20_000):  # ~25 MiB of frames, far beyond what the socket holds
+            started = time.monotonic()
+            proc.add(record, deadline=started + 0.2)
+            longest = max(longest, time.monotonic() - started)
+        assert longest < 0.5  # without the room check one add waits out the io timeout (2 s)
+        assert proc.dropped_records > 0 and proc.restarts == 0 and proc.pid == behind
+    finally:
+        os.kill(behind, signal.SIGCONT)
+    assert proc.snapshot().requests == 64 * (20_000 - proc.dropped_records)
