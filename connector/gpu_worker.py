@@ -69,7 +69,7 @@ class GpuKvTransfer:
             self.registration: DeviceRegistration = export_torch_kv(tensors, dims, num_blocks)
         except (ValueError, LayoutError) as exc:
             raise GpuLayoutError(str(exc)) from exc
-        self.block_bytes = self.registration.validate().block_bytes
+        self.block_bytes = self.registration.validate()
         self.num_layers = len(tensors)
         self.layout_tag = _layout_tag(tensors, dims)
         self._tensors = tensors  # the registration is only valid while they live

@@ -331,6 +331,11 @@ class WorkerConnector:
             self.pages = self.gpu = None
             log.error("pegaflow: %s; serving without the cache", exc)
             return
+        except Exception as exc:  # a bug of ours must not stop vLLM from starting
+            self.disabled_reason = f"registering the KV caches failed: {exc!r}"
+            self.pages = self.gpu = None
+            log.exception("pegaflow: registering the KV caches failed; serving without the cache")
+            return
         if self.cfg.embedded and self.tp_rank == 0:
             from pegaflow.connector.embedded import EmbeddedServer
 

@@ -132,3 +132,25 @@ def test_a_preempted_request_loses_only_its_own_queued_save():
     finally:
         gate.set()
         w.shutdown()
+
+
+def test_a_registration_that_fails_unexpectedly_leaves_vllm_serving_without_the_cache(monkeypatch):
+    """An error of ours while describing the KV tensors (an AttributeError shipped in the CUDA path
+    once) disables the connector for this worker instead of failing vLLM's start."""
+    from pegaflow.connector import gpu_worker
+    from pegaflow.connector.tests.support import kv_caches
+
+    def broken(*_args):
+        raise AttributeError("'int' object has no attribute 'block_bytes'")
+
+    monkeypatch.setattr(gpu_worker, "GpuKvTransfer", broken)
+    monkeypatch.setattr(worker_module.WorkerConnector, "_register_host", lambda self, kv: broken())
+    w = WorkerConnector(
+        config("unused:0"), layout(), num_blocks=NUM_BLOCKS, layer_names=LAYER_NAMES, instance_name="broken"
+    )
+    try:
+        w.register_kv_caches(kv_caches(0))
+        assert not w.active and w.pages is None and w.gpu is None
+        assert "AttributeError" in w.disabled_reason
+    finally:
+        w.shutdown()

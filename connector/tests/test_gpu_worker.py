@@ -59,6 +59,30 @@ def test_cpu_tensors_do_not_take_the_cuda_path():
         GpuKvTransfer(kv, NB, ["layer.9"])
 
 
+@pytest.mark.parametrize("kind", ["flash_attn", "flashinfer", "cross_layer", "mla"])
+def test_the_registration_is_described_on_cpu_with_stand_in_ipc_handles(kind, monkeypatch):
+    """Everything of GpuKvTransfer's set-up but the CUDA calls (IPC export, device UUID), on CPU
+    tensors: a CUDA-only test let a wrong use of the registration's check (its block bytes taken as
+    an object's field) ship in the CUDA path until the lent GPU ran it."""
+    from pegaflow.client import device
+    from pegaflow.common.wire.device_registration import CUDA_IPC_HANDLE_BYTES, ExportedTensor
+
+    def export(t):
+        storage = t.untyped_storage()
+        start = t.storage_offset() * t.element_size()
+        handle = storage.data_ptr().to_bytes(8, "little").ljust(CUDA_IPC_HANDLE_BYTES, b"\0")
+        return ExportedTensor(ipc_handle=handle, offset=start, size=storage.nbytes() - start)
+
+    monkeypatch.setattr(device, "export_torch_tensor", export)
+    monkeypatch.setattr(device, "torch_device_uuid", lambda _device: "0" * 32)
+    views = _views(kind)
+    gpu = GpuKvTransfer({f"layer.{i}": t for i, t in enumerate(views)}, NB, [f"layer.{i}" for i in range(3)])
+    per_layer = views[0][0].numel() * 2 if kind != "flash_attn" else 2 * views[0][0, 0].numel() * 2
+    assert gpu.block_bytes == per_layer * len(views)
+    assert gpu.num_layers == len(views) and gpu.registration.num_blocks == NB
+    assert gpu.layout_tag == _tag(kind)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kind", ["flash_attn", "flashinfer", "cross_layer", "mla"])
 def test_cuda_tensors_register_with_the_block_size_the_namespace_expects(kind):
