@@ -124,23 +124,34 @@ def test_the_engines_reported_prefill_cost_prices_the_tokens_its_hits_spared(ser
         assert value == pytest.approx(160 * 0.25e-3)
 
 
-def test_a_killed_sketch_process_costs_its_windows_not_the_server(tmp_path):
-    srv = start_server(
+def sketch_process_server(tmp_path, http_addr: str | None = None):
+    """A server whose lookup sketches run in their own process."""
+    return start_server(
         ServerConfig(
             pool_size_bytes=16 * MIB,
             addr="127.0.0.1:0",
-            http_addr="127.0.0.1:0",
+            http_addr=http_addr,
             fd_socket_path=str(tmp_path / "pool.sock"),
             lookup_sketches="process",
         )
     )
+
+
+def saved_and_looked_up_four_times(c: PegaClient):
+    """100 blocks saved, then looked up 4 times: (instance, hashes); a 15-minute ceiling of 0.75."""
+    inst = c.register_instance(KvLayout(model_id="m", block_bytes=4096))
+    stored = [f"s-{i}".encode() for i in range(100)]
+    c.seal(c.allocate(inst, stored).save_id)
+    for _ in range(4):
+        c.query_prefix(inst, stored)
+    return inst, stored
+
+
+def test_a_killed_sketch_process_costs_its_windows_not_the_server(tmp_path):
+    srv = sketch_process_server(tmp_path, http_addr="127.0.0.1:0")
     try:
         with PegaClient(srv.address, timeout_s=10.0) as c:
-            inst = c.register_instance(KvLayout(model_id="m", block_bytes=4096))
-            stored = [f"s-{i}".encode() for i in range(100)]
-            c.seal(c.allocate(inst, stored).save_id)
-            for _ in range(4):
-                c.query_prefix(inst, stored)
+            inst, stored = saved_and_looked_up_four_times(c)
             assert c.stats().hll_ceiling["15m"] == pytest.approx(0.75, abs=0.02)
             sketches = srv.metrics.sketches
             os.kill(sketches.pid, signal.SIGKILL)
@@ -162,25 +173,13 @@ def test_a_killed_sketch_process_costs_its_windows_not_the_server(tmp_path):
 
 
 def test_get_stats_answers_in_time_while_the_sketch_process_is_behind(tmp_path):
-    """A stopped child stands for one seconds behind at nice +10 on a busy host (CI saw a 10 s
+    """A stopped child stands for one that is seconds behind at nice +10 on a busy host (CI saw a 10 s
     GetStats time out): the answer comes before the caller's deadline, without the ceiling, and the
     child is neither blamed nor replaced; once it catches up the ceiling is back."""
-    srv = start_server(
-        ServerConfig(
-            pool_size_bytes=16 * MIB,
-            addr="127.0.0.1:0",
-            http_addr=None,
-            fd_socket_path=str(tmp_path / "pool.sock"),
-            lookup_sketches="process",
-        )
-    )
+    srv = sketch_process_server(tmp_path)
     try:
         with PegaClient(srv.address, timeout_s=10.0) as c, PegaClient(srv.address, timeout_s=2.0) as hurried:
-            inst = c.register_instance(KvLayout(model_id="m", block_bytes=4096))
-            stored = [f"s-{i}".encode() for i in range(100)]
-            c.seal(c.allocate(inst, stored).save_id)
-            for _ in range(4):
-                c.query_prefix(inst, stored)
+            inst, stored = saved_and_looked_up_four_times(c)
             assert "15m" in c.stats().hll_ceiling
             sketches = srv.metrics.sketches
             behind = sketches.pid
