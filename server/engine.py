@@ -995,8 +995,10 @@ class KVEngine:
 
     def stats(self, deadline: float | None = None) -> EngineStats:
         if self.lane is not None:
-            # Every call the lane served before this one is counted in the answer, not a pass later.
-            self._drain_lane()
+            # Every call the lane served before this one is counted in the answer, not a pass later;
+            # a pass in progress is waited for at most half the time left (the rest is the answer's).
+            drain_by = None if deadline is None else (time.monotonic() + deadline) / 2
+            self._drain_lane(drain_by)
         with self._locked(deadline):
             alloc = self.allocator.stats()
             index, store, registry = self._store.index, self._store.counters, self._registry
@@ -1482,13 +1484,21 @@ class KVEngine:
             except Exception:
                 log.exception("applying the read lane's signals failed; continuing")
 
-    def _drain_lane(self) -> None:
+    def _drain_lane(self, deadline: float | None = None) -> None:
         """Takes the read lane's signals and applies them, one drain at a time: signals taken by one
         caller and not yet applied are invisible to the next drain, so stats() waits for a pass in
         progress instead of answering without its counts (seen in CI: a lookup served by the lane,
-        drained by this loop, not yet applied when stats() drained nothing and read the counters)."""
-        with self._lane_drain_lock:
+        drained by this loop, not yet applied when stats() drained nothing and read the counters).
+        With a ``deadline``, it waits for that pass only until then (the caller then answers without
+        the pass's counts rather than past its deadline)."""
+        if deadline is None:
+            self._lane_drain_lock.acquire()
+        elif not self._lane_drain_lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+            return
+        try:
             self._apply_lane_signals(self.lane.drain())
+        finally:
+            self._lane_drain_lock.release()
 
     def _apply_lane_signals(self, signals: LaneSignals) -> None:
         """What a query or release served by the engine does besides answering, for the calls the

@@ -350,6 +350,8 @@ class SketchProcess:
                     if self._read_answer_locked(deadline) is None:
                         return None
                     self._owed -= 1
+                if deadline is not None and self._unread_bytes() >= self._send_room:
+                    return None  # the socket is full: the send would wait for a child that is behind
                 frames.send_all(
                     self._sock, frames.encode_frame(bytes((SNAPSHOT,))), time.monotonic() + self.io_timeout_s
                 )

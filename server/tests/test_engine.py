@@ -705,3 +705,28 @@ def test_a_lease_pins_and_holds_each_block_once_and_its_release_lets_go_of_all(e
     assert engine.stats().pinned_blocks == 2 and sum(s.holds for s in slabs()) == 2
     engine.release_lease(sid, second.lease_id)
     assert engine.stats().pinned_blocks == 0 and sum(s.holds for s in slabs()) == 0
+
+
+def test_stats_waits_for_a_read_lane_pass_only_until_its_deadline(engine):
+    """stats() waits for a pass of the read lane's signals in progress (its counts belong in the
+    answer), but not past the caller's deadline: a pass held up (a starved thread) costs the answer
+    that pass's counts, not the call."""
+    if engine.lane is None:
+        pytest.skip("the read lane's native module is not available here")
+    in_pass = threading.Event()
+
+    def slow_pass():
+        with engine._lane_drain_lock:
+            in_pass.set()
+            time.sleep(3.0)
+
+    holder = threading.Thread(target=slow_pass)
+    holder.start()
+    try:
+        assert in_pass.wait(5)
+        started = time.monotonic()
+        engine.stats(deadline=started + 0.3)
+        assert time.monotonic() - started < 1.5  # not the pass's 3 s
+    finally:
+        holder.join()
+    engine.stats()  # no deadline: waits for a pass as before

@@ -220,10 +220,10 @@ def test_a_snapshot_with_a_deadline_gives_up_in_time_and_keeps_a_child_that_is_b
         proc.add(records(1))
         started = time.monotonic()
         assert proc.snapshot(deadline=started + 0.3) is None
-        assert time.monotonic() - started < 0.3 + 0.5  # not the io timeout (2 s)
+        assert time.monotonic() - started < 1.5  # not the io timeout (2 s); slack for a loaded CI host
         started = time.monotonic()
         assert proc.snapshot(deadline=started + 0.3) is None  # its answer still owed: no second ask
-        assert time.monotonic() - started < 0.3 + 0.5
+        assert time.monotonic() - started < 1.5
     finally:
         os.kill(behind, signal.SIGCONT)
     proc.add(records(2))
@@ -236,7 +236,7 @@ def test_a_snapshot_with_a_deadline_gives_up_in_time_and_keeps_a_child_that_is_b
 def test_a_snapshot_with_a_deadline_does_not_wait_for_the_feeder_past_it(proc):
     def hold():  # the feeder handing a frame to a child that is behind
         with proc._lock:
-            time.sleep(1.5)
+            time.sleep(3.0)
 
     holder = threading.Thread(target=hold)
     holder.start()
@@ -244,7 +244,7 @@ def test_a_snapshot_with_a_deadline_does_not_wait_for_the_feeder_past_it(proc):
         time.sleep(0.05)
         started = time.monotonic()
         assert proc.snapshot(deadline=started + 0.2) is None
-        assert time.monotonic() - started < 0.2 + 0.4
+        assert time.monotonic() - started < 1.5  # not the holder's 3 s
     finally:
         holder.join()
     assert proc.snapshot() is not None and proc.restarts == 0
@@ -261,8 +261,26 @@ def test_an_add_with_a_deadline_never_waits_for_room_in_a_full_socket(proc):
             started = time.monotonic()
             proc.add(record, deadline=started + 0.2)
             longest = max(longest, time.monotonic() - started)
-        assert longest < 0.5  # without the room check one add waits out the io timeout (2 s)
+        assert longest < 1.5  # without the room check one add waits out the io timeout (2 s)
         assert proc.dropped_records > 0 and proc.restarts == 0 and proc.pid == behind
     finally:
         os.kill(behind, signal.SIGCONT)
     assert proc.snapshot().requests == 64 * (20_000 - proc.dropped_records)
+
+
+@pytest.mark.timeout(60)
+def test_a_snapshot_with_a_deadline_never_waits_to_ask_a_child_whose_socket_is_full(proc):
+    behind = proc.pid
+    os.kill(behind, signal.SIGSTOP)
+    try:
+        for per in (64, 1):  # big frames until they no longer fit, then the smallest ones
+            dropped = proc.dropped_records
+            while proc.dropped_records == dropped:
+                proc.add(records(1, per=per), deadline=time.monotonic() + 0.2)
+        started = time.monotonic()
+        assert proc.snapshot(deadline=started + 0.3) is None
+        assert time.monotonic() - started < 1.5  # not the io timeout (2 s) of a blocked send
+        assert proc.pid == behind and proc.restarts == 0
+    finally:
+        os.kill(behind, signal.SIGCONT)
+    assert proc.snapshot() is not None and proc.restarts == 0
