@@ -137,6 +137,9 @@ class PegaKVConnector(KVConnectorBase_V1):
             log.error(
                 "pegaflow: this engine's KV cache is not supported (%s); serving without the cache", exc
             )
+        except Exception as exc:  # a bug of ours, or a vLLM whose internals moved: vLLM still starts
+            reason = f"describing the KV cache failed: {exc!r}"
+            log.exception("pegaflow: describing this engine's KV cache failed; serving without the cache")
         group = kv_cache_config.kv_cache_groups[0] if kv_cache_config.kv_cache_groups else None
         self._worker = WorkerConnector(
             self._cfg,

@@ -462,6 +462,7 @@ class ServerPrefixLookup:
         self._link = link
         self._timeout_s = timeout_s
         self._metrics = metrics or StatsRecorder()
+        self._logged_bug = False  # an unexpected error's traceback is logged once
 
     def __call__(self, hashes: Sequence[bytes], poll: bool = False) -> LookupAnswer | None:
         """The chain's leading blocks every rank can load now, and whether more are on their way into
@@ -491,6 +492,12 @@ class ServerPrefixLookup:
                 return None
             except errors.PegaflowError as exc:
                 log.warning("pegaflow: prefix lookup rejected: %s", exc)
+                self._metrics.add("lookup_failures")
+                return None
+            except Exception as exc:  # a bug of ours, or the OS (no file descriptor left): not vLLM's
+                log.warning("pegaflow: prefix lookup failed unexpectedly", exc_info=not self._logged_bug)
+                self._logged_bug = True
+                self._link.report_failure(exc, "prefix lookup")
                 self._metrics.add("lookup_failures")
                 return None
             n = min(n, ready)

@@ -346,8 +346,8 @@ class WorkerConnector:
                     self.cfg.embedded_addr,
                     self.cfg.embedded_http_addr,
                 )
-            except (OSError, ValueError) as exc:
-                self.disabled_reason = f"embedded server did not start: {exc}"
+            except Exception as exc:  # whatever stops it (memory, a port, a bug), vLLM still starts
+                self.disabled_reason = f"embedded server did not start: {exc!r}"
                 self.pages = self.gpu = None
                 log.error("pegaflow: %s; serving without the cache", self.disabled_reason)
                 return
@@ -821,6 +821,9 @@ class WorkerConnector:
                 log.warning(
                     "pegaflow: lease %s was lost while its blocks were read (%s); recomputing", lease_id, exc
                 )
+            except Exception as exc:  # not known to be kept: the blocks read under it are not trusted
+                ok = False
+                log.warning("pegaflow: releasing lease %s failed (%r); recomputing its blocks", lease_id, exc)
         if not ok:
             self.stats["load_leases_lost"] += 1  # its blocks are counted as failed loads
         return ok
@@ -946,7 +949,13 @@ class WorkerConnector:
             self._count("save_blocks_skipped_unavailable", nblocks)
             self.metrics.add("save_dropped_blocks", nblocks)
             return
-        ready = self.gpu.record_ready() if self.gpu is not None else None
+        try:
+            ready = self.gpu.record_ready() if self.gpu is not None else None
+        except Exception:  # a CUDA error here is vLLM's to report, at its next call of its own
+            log.exception("pegaflow: marking the forward's end for a save failed; not saving this step")
+            self._count("save_blocks_dropped_error", nblocks)
+            self.metrics.add("save_dropped_blocks", nblocks)
+            return
         job = _SaveJob(block_ids, hashes, req_ids, ready)
         with self._save_lock:
             if len(self._save_jobs) > self.cfg.max_pending_saves:
@@ -1105,12 +1114,19 @@ class WorkerConnector:
         return client.pool_view(epoch)
 
     def shutdown(self) -> None:
-        self._finish_load()
-        self._load_thread.shutdown(wait=True, cancel_futures=True)
-        self._save_thread.shutdown(wait=True, cancel_futures=True)
-        self._housekeeping.shutdown(wait=True, cancel_futures=True)
+        steps = [
+            self._finish_load,
+            lambda: self._load_thread.shutdown(wait=True, cancel_futures=True),
+            lambda: self._save_thread.shutdown(wait=True, cancel_futures=True),
+            lambda: self._housekeeping.shutdown(wait=True, cancel_futures=True),
+        ]
         if self.link is not None:
-            self.link.close()
+            steps.append(self.link.close)
         if self.embedded is not None:
-            self.embedded.stop()
+            steps.append(self.embedded.stop)
+        for step in steps:  # each one, whatever an earlier one raised: the engine is stopping anyway
+            try:
+                step()
+            except Exception:
+                log.exception("pegaflow: a step of the worker's shutdown failed; going on")
         log.info("pegaflow: worker connector stopped: %s", dict(self.stats))

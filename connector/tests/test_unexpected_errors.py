@@ -1,0 +1,100 @@
+"""The engine never fails because the cache did: an unexpected error below a hook vLLM calls (a bug
+of ours, the OS out of file descriptors, a CUDA error) is logged and costs the cache, not the call.
+Each test drives the real scheduler lookup or worker with a stand-in below it that raises."""
+
+from __future__ import annotations
+
+import pytest
+
+from pegaflow.connector.metadata import BlockTransfer
+from pegaflow.connector.scheduler import ServerPrefixLookup
+from pegaflow.connector.tests.support import LAYER_NAMES, NUM_BLOCKS, config, hashes, layout
+from pegaflow.connector.worker import WorkerConnector
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class RaisingClient:
+    """Every call fails the way no client error is expected to: the OS out of descriptors."""
+
+    def query_prefix(self, *args, **kwargs):
+        raise OSError(24, "Too many open files")
+
+    def release(self, *args, **kwargs):
+        raise OSError(24, "Too many open files")
+
+
+class StandInLink:
+    def __init__(self, client=None):
+        self.client = client or RaisingClient()
+        self.failures: list[str] = []
+        self.closed = False
+
+    def usable(self):
+        return self.client, ("instance",)
+
+    def report_failure(self, exc, what):
+        self.failures.append(what)
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_lookup_that_fails_unexpectedly_finds_nothing_and_marks_the_server_unwell():
+    link = StandInLink()
+    lookup = ServerPrefixLookup(link, timeout_s=1.0)
+    assert lookup(hashes("a", 4)) is None  # vLLM schedules the request without external hits
+    assert link.failures == ["prefix lookup"]  # skipped until a probe answers, not retried every step
+    assert lookup(hashes("a", 4)) is None
+
+
+def _worker(name: str) -> WorkerConnector:
+    return WorkerConnector(
+        config("unused:0"), layout(), num_blocks=NUM_BLOCKS, layer_names=LAYER_NAMES, instance_name=name
+    )
+
+
+def test_a_lease_release_that_fails_unexpectedly_is_a_lost_lease_not_an_error():
+    w = _worker("release")
+    w.link = StandInLink()
+    try:
+        # The blocks read under it are then reported failed and recomputed (worker._finish_load).
+        assert w._release_verified(["lease-1", "lease-2"], loaded_bytes=4096) is False
+        assert w.stats["load_leases_lost"] == 1
+    finally:
+        w.shutdown()
+
+
+class FailingCudaMarks:
+    """GpuKvTransfer's surface where a save starts: the forward's end cannot be marked."""
+
+    block_bytes = 4096
+
+    def record_ready(self):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_a_save_whose_forward_cannot_be_marked_is_dropped_and_holds_no_request():
+    w = _worker("cuda-marks")
+    w.link = StandInLink()
+    w.gpu = FailingCudaMarks()
+    try:
+        w.submit_saves([BlockTransfer("r", [1, 2], hashes("r", 2))])
+        assert w.stats["save_blocks_dropped_error"] == 2
+        assert w.finished_sending({"r"}) == {"r"}  # its blocks are vLLM's to free at once
+    finally:
+        w.gpu = None
+        w.shutdown()
+
+
+def test_shutdown_runs_every_step_when_one_fails():
+    w = _worker("shutdown")
+    link = w.link = StandInLink()
+
+    def broken_finish():
+        raise RuntimeError("a bug in the load job's end")
+
+    w._finish_load = broken_finish
+    w.shutdown()  # does not raise
+    assert link.closed  # the later steps ran
+    assert w._save_thread._shutdown and w._housekeeping._shutdown
