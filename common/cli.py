@@ -12,6 +12,8 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
+from pegaflow.common import log_queue
+
 T = TypeVar("T")
 
 LOG_LEVELS = ["debug", "info", "warning", "error"]
@@ -63,11 +65,10 @@ def add_log_level_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def configure_logging(level: str) -> None:
-    """Logs go to stderr: stdout carries only the daemon's one JSON "ready" line."""
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
+    """Logs go to stderr: stdout carries only the daemon's one JSON "ready" line. Written by a
+    thread of their own (common/log_queue.py): a stderr that is not read never blocks a caller."""
+    log_queue.install(
+        getattr(logging, level.upper()), "%(asctime)s %(levelname)s %(name)s: %(message)s", sys.stderr
     )
 
 
