@@ -504,7 +504,7 @@ class KVEngine:
                 self.lane.add_instance(instance.id, session.id, namespace.index, namespace.block_bytes)
         if new and self._state_dirs:
             # Off the lock, before any block of it can be saved: recovery maps records to it.
-            self._save_namespaces()
+            self._save_namespaces(deadline)
         log.info(
             "instance %s (%r) registered in %s (%s, %d bytes/block)",
             instance.id,
@@ -1582,29 +1582,42 @@ class KVEngine:
             self._save_namespaces()
         self._announce_ended_sessions()
 
-    def _save_namespaces(self) -> None:
+    def _save_namespaces(self, deadline: float | None = None) -> None:
         """Writes the namespaces' layouts beside every persistent tier, off the engine lock. A write
         that fails (a full file system, EIO) is a warning while it lasts, never an error for the
         caller: the reaper tries again. Until it succeeds, the records of a namespace registered
-        since cannot be mapped by a restarted server: orphans, freed at recovery, never served."""
-        with self._persist_lock:
-            with self._locked(None):
-                layouts = self._namespaces.layouts()
-            try:
-                for directory in self._state_dirs:
-                    persistence.save_namespaces(directory, layouts)
-            except OSError as exc:
-                if not self._namespaces_unsaved:  # one line per failing stretch
-                    log.warning(
-                        "namespaces not saved (%s): blocks of namespaces registered from now on do not "
-                        "outlive a restart until it works again (retried every reaper tick)",
-                        exc,
-                    )
-                self._namespaces_unsaved = True
-                return
-            if self._namespaces_unsaved:
-                log.info("namespaces saved again")
-            self._namespaces_unsaved = False
+        since cannot be mapped by a restarted server: orphans, freed at recovery, never served.
+        ``deadline``: a caller that cannot wait (RegisterInstance) leaves the write to the reaper
+        when another write (the reaper's, retrying a failing disk) holds the file past it."""
+        if deadline is None:
+            self._persist_lock.acquire()
+        elif not self._persist_lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+            self._namespaces_unsaved = True  # the reaper's next tick writes it
+            return
+        try:
+            self._write_namespaces()
+        finally:
+            self._persist_lock.release()
+
+    def _write_namespaces(self) -> None:
+        """Under the persist lock: the layouts file in every state directory, the failure remembered."""
+        with self._locked(None):
+            layouts = self._namespaces.layouts()
+        try:
+            for directory in self._state_dirs:
+                persistence.save_namespaces(directory, layouts)
+        except OSError as exc:
+            if not self._namespaces_unsaved:  # one line per failing stretch
+                log.warning(
+                    "namespaces not saved (%s): blocks of namespaces registered from now on do not "
+                    "outlive a restart until it works again (retried every reaper tick)",
+                    exc,
+                )
+            self._namespaces_unsaved = True
+            return
+        if self._namespaces_unsaved:
+            log.info("namespaces saved again")
+        self._namespaces_unsaved = False
 
     def _release_idle_namespaces(self, now: float) -> bool:
         """Under the lock: forgets namespaces with no instance and no block once idle for

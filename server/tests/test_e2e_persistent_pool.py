@@ -149,3 +149,44 @@ def test_a_reused_pool_file_whose_blocks_were_not_adopted_is_zeroed_before_a_gra
         second.seal_blocks(sid, res.save_id)
     finally:
         second.close()
+
+
+def test_registering_an_instance_never_waits_past_its_deadline_for_the_layouts_file(pool_dir):
+    """A new namespace's layouts are written before its blocks can be saved, unless another write
+    (the reaper retrying a failing disk) holds the file past the call's deadline: then the reaper
+    writes it at its next tick, and the call answers in time."""
+    import threading
+
+    from pegaflow.server.store import persistence
+
+    eng = KVEngine(
+        ServerConfig(pool_size_bytes=16 * MIB, http_addr=None, pool_dir=pool_dir, persist_pool=True)
+    )
+    try:
+        sid = eng.open_session("t").session_id
+        held = threading.Event()
+
+        def slow_write():
+            with eng._persist_lock:
+                held.set()
+                time.sleep(3.0)
+
+        writer = threading.Thread(target=slow_write)
+        writer.start()
+        try:
+            assert held.wait(5)
+            started = time.monotonic()
+            eng.register_instance(
+                sid, EngineLayout(model_id="late", block_bytes=BLOCK, dtype="bf16"), deadline=started + 0.3
+            )
+            assert time.monotonic() - started < 1.5  # not the other write's 3 s
+        finally:
+            writer.join()
+        eng.reap()  # (or the reaper thread's own tick already did)
+        assert not eng._namespaces_unsaved
+        (directory,) = eng._state_dirs
+        assert any(
+            layout.get("model_id") == "late" for layout in persistence.load_namespaces(directory).values()
+        )
+    finally:
+        eng.close()
