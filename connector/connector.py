@@ -54,6 +54,9 @@ def _own_log_level() -> None:
     root = logging.getLogger("vllm.pegaflow")
     if not level or getattr(root, "_pegaflow_handler", False):
         return
+    if not isinstance(logging.getLevelName(level), int):  # a typo must not stop vLLM from starting
+        log.warning("pegaflow: PEGAFLOW_LOG_LEVEL=%r is not a log level; ignored", level)
+        return
     handler = logging.StreamHandler()
     handler.setFormatter(
         logging.Formatter("%(levelname)s %(asctime)s [pid %(process)d %(name)s] %(message)s")

@@ -160,7 +160,18 @@ class SchedulerConnector:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond vLLM's local hit that pegaflow holds. Side-effect free towards vLLM
         (it may ask again for the same request); only remembers what it saw for
-        update_state_after_alloc."""
+        update_state_after_alloc. It runs inside vLLM's schedule(): an error of ours here is a
+        request without external hits, as when the server is away, never an engine failure."""
+        try:
+            return self._matched_tokens(request, num_computed_tokens)
+        except Exception:
+            log.warning(
+                "pegaflow: looking request %s up failed; no external hits", request.request_id, exc_info=True
+            )
+            self._lookups[request.request_id] = _Lookup(num_computed_tokens // self.block_size, None)
+            return 0, False
+
+    def _matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         bs = self.block_size
         local_blocks = num_computed_tokens // bs
         if not self._loads or self._lookup is None:

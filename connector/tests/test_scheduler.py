@@ -501,3 +501,18 @@ def test_an_idle_engine_sleeps_until_the_next_poll_instead_of_spinning(monkeypat
     s.build_meta(step(new=[(other, [9, 10], 0)], scheduled={"busy": 2 * BS}))
     assert s.get_num_new_matched_tokens(r, 0) == (None, False)
     assert len(slept) == 1 and s.idle_waits == 1
+
+
+def test_a_lookup_that_raises_means_no_hits_and_the_request_goes_on():
+    """An error of ours in the lookup path (inside vLLM's schedule()) is a request without external
+    hits: its blocks are then saved as a cold request's are."""
+
+    def broken(hashes, poll=False):
+        raise KeyError("a bookkeeping bug")
+
+    req = request("g", 1000)
+    conn = SchedulerConnector(block_size=BS, lookup=broken, loads=True, saves=True)
+    assert admit(conn, req, range(8)) == 0
+    meta = conn.build_meta(step(new=[(req, range(8), 0)], scheduled={"g": 1000}))
+    assert meta.loads == []
+    assert [s.block_ids for s in meta.saves] == [list(range(7))]

@@ -98,3 +98,25 @@ def test_shutdown_runs_every_step_when_one_fails():
     w.shutdown()  # does not raise
     assert link.closed  # the later steps ran
     assert w._save_thread._shutdown and w._housekeeping._shutdown
+
+
+def test_a_mistyped_log_level_is_ignored_not_a_failed_import():
+    """The connector module is imported by every vLLM process; PEGAFLOW_LOG_LEVEL=verbose used to
+    raise there (ValueError from setLevel) and stop vLLM."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", "import pegaflow.connector.connector"],
+        env={
+            **os.environ,
+            "PEGAFLOW_LOG_LEVEL": "verbose",
+            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "is not a log level; ignored" in done.stderr
