@@ -103,6 +103,7 @@ def test_shutdown_runs_every_step_when_one_fails():
 def test_a_mistyped_log_level_is_ignored_not_a_failed_import():
     """The connector module is imported by every vLLM process; PEGAFLOW_LOG_LEVEL=verbose used to
     raise there (ValueError from setLevel) and stop vLLM."""
+    pytest.importorskip("vllm")  # the module imports vLLM's connector base (absent on the GPU host)
     import os
     import subprocess
     import sys
