@@ -10,6 +10,7 @@ exit; its stderr goes to a log file under the given directory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -17,6 +18,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 
@@ -200,3 +202,24 @@ def sigstop(pid: int, timeout_s: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"process {pid} did not stop: thread states {states}")
         time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def held_elsewhere(lock, seconds: float):
+    """``lock`` taken by another thread for ``seconds`` (a slow holder: a starved thread, a write to a
+    failing disk) from before the body runs; joined after it."""
+    taken = threading.Event()
+
+    def hold() -> None:
+        with lock:
+            taken.set()
+            time.sleep(seconds)
+
+    holder = threading.Thread(target=hold, name="held-elsewhere")
+    holder.start()
+    try:
+        if not taken.wait(10):
+            raise TimeoutError("the holder never took the lock")
+        yield
+    finally:
+        holder.join()

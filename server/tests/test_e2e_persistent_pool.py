@@ -15,7 +15,7 @@ from pegaflow.client import KvLayout, PegaClient, write_blocks
 from pegaflow.server.config import MIB, ServerConfig
 from pegaflow.server.engine import KVEngine
 from pegaflow.server.store.namespace import KvLayout as EngineLayout
-from pegaflow.server.testing import ServerProcess, wait_for
+from pegaflow.server.testing import ServerProcess, held_elsewhere, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -155,8 +155,6 @@ def test_registering_an_instance_never_waits_past_its_deadline_for_the_layouts_f
     """A new namespace's layouts are written before its blocks can be saved, unless another write
     (the reaper retrying a failing disk) holds the file past the call's deadline: then the reaper
     writes it at its next tick, and the call answers in time."""
-    import threading
-
     from pegaflow.server.store import persistence
 
     eng = KVEngine(
@@ -164,24 +162,12 @@ def test_registering_an_instance_never_waits_past_its_deadline_for_the_layouts_f
     )
     try:
         sid = eng.open_session("t").session_id
-        held = threading.Event()
-
-        def slow_write():
-            with eng._persist_lock:
-                held.set()
-                time.sleep(3.0)
-
-        writer = threading.Thread(target=slow_write)
-        writer.start()
-        try:
-            assert held.wait(5)
+        with held_elsewhere(eng._persist_lock, 3.0):  # another write of the file, to a slow disk
             started = time.monotonic()
             eng.register_instance(
                 sid, EngineLayout(model_id="late", block_bytes=BLOCK, dtype="bf16"), deadline=started + 0.3
             )
             assert time.monotonic() - started < 1.5  # not the other write's 3 s
-        finally:
-            writer.join()
         eng.reap()  # (or the reaper thread's own tick already did)
         assert not eng._namespaces_unsaved
         (directory,) = eng._state_dirs

@@ -12,6 +12,7 @@ from pegaflow.server.config import MIB, ServerConfig
 from pegaflow.server.engine import AllocStatus, KVEngine, QueryPurpose
 from pegaflow.server.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted
 from pegaflow.server.store.namespace import KvLayout
+from pegaflow.server.testing import held_elsewhere
 
 BLOCK = 256 * 1024
 
@@ -713,20 +714,8 @@ def test_stats_waits_for_a_read_lane_pass_only_until_its_deadline(engine):
     that pass's counts, not the call."""
     if engine.lane is None:
         pytest.skip("the read lane's native module is not available here")
-    in_pass = threading.Event()
-
-    def slow_pass():
-        with engine._lane_drain_lock:
-            in_pass.set()
-            time.sleep(3.0)
-
-    holder = threading.Thread(target=slow_pass)
-    holder.start()
-    try:
-        assert in_pass.wait(5)
+    with held_elsewhere(engine._lane_drain_lock, 3.0):  # a pass of the lane's signals held up
         started = time.monotonic()
         engine.stats(deadline=started + 0.3)
         assert time.monotonic() - started < 1.5  # not the pass's 3 s
-    finally:
-        holder.join()
     engine.stats()  # no deadline: waits for a pass as before

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import struct
-import threading
 import time
 
 import pytest
@@ -14,6 +13,7 @@ import pytest
 from pegaflow.server.metrics import sketch_process
 from pegaflow.server.metrics.lookup_sketches import LookupRecord, LookupSketches
 from pegaflow.server.metrics.sketch_process import SketchProcess, decode_records, encode_records
+from pegaflow.server.testing import held_elsewhere
 
 WINDOWS = {"15m": 900.0, "1h": 3600.0}
 CAPACITY = 64 << 20
@@ -234,19 +234,10 @@ def test_a_snapshot_with_a_deadline_gives_up_in_time_and_keeps_a_child_that_is_b
 
 @pytest.mark.timeout(30)
 def test_a_snapshot_with_a_deadline_does_not_wait_for_the_feeder_past_it(proc):
-    def hold():  # the feeder handing a frame to a child that is behind
-        with proc._lock:
-            time.sleep(3.0)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    try:
-        time.sleep(0.05)
+    with held_elsewhere(proc._lock, 3.0):  # the feeder handing a frame to a child that is behind
         started = time.monotonic()
         assert proc.snapshot(deadline=started + 0.2) is None
         assert time.monotonic() - started < 1.5  # not the holder's 3 s
-    finally:
-        holder.join()
     assert proc.snapshot() is not None and proc.restarts == 0
 
 
