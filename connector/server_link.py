@@ -132,7 +132,7 @@ class ServerLink:
                 break
             self._stop.wait(delay)  # embedded mode: rank 0 has not published its server yet
             delay = min(delay * 2, self._retry_interval_s)
-        if self._stop.is_set() or not self._attach():
+        if self._stop.is_set() or not self._attach_retrying():
             return
         delay = _FIRST_RETRY_S
         while not self._stop.is_set():
@@ -144,9 +144,25 @@ class ServerLink:
             self._stop.wait(delay)
             delay = min(delay * 2, self._retry_interval_s)
 
+    def _attach_retrying(self) -> bool:
+        """``_attach``, again after an unexpected error (a bug, the OS out of file descriptors)
+        instead of letting it end this thread, which would leave the cache off for the process's life."""
+        delay, logged = _FIRST_RETRY_S, False
+        while not self._stop.is_set():
+            try:
+                return self._attach()
+            except Exception:
+                log.warning(
+                    "pegaflow: attaching to %s failed unexpectedly; retrying", self.addr, exc_info=not logged
+                )
+                logged = True
+            self._stop.wait(delay)
+            delay = min(delay * 2, self._retry_interval_s)
+        return False
+
     def _attach(self) -> bool:
         """Create the client and register the instances; the server need not be up."""
-        from pegaflow.client import PegaClient, errors
+        from pegaflow.client import PegaClient
 
         client = PegaClient(
             self.addr,
@@ -156,6 +172,17 @@ class ServerLink:
             auth=self._auth,
             read_only=self._read_only,
         )
+        try:
+            return self._attach_client(client)
+        except Exception:
+            client.close()
+            raise
+
+    def _attach_client(self, client: Any) -> bool:
+        """Connects ``client`` and registers the instances: False (for good) when the server rejects
+        this engine's layout."""
+        from pegaflow.client import errors
+
         try:
             client.connect()
         except errors.ServerUnavailable as exc:

@@ -121,3 +121,33 @@ def test_a_mistyped_log_level_is_ignored_not_a_failed_import():
     )
     assert done.returncode == 0, done.stderr
     assert "is not a log level; ignored" in done.stderr
+
+
+def test_an_unexpected_error_while_attaching_is_retried_not_the_end_of_the_link(tmp_path, monkeypatch):
+    """The link's thread attaches in the background; an error no client call is expected to raise
+    (here the first client cannot be made: no file descriptor left) used to end that thread, leaving
+    the cache off for the life of the process."""
+    import pegaflow.client as client_module
+    from pegaflow.connector.server_link import ServerLink
+    from pegaflow.connector.tests.support import wait_for
+    from pegaflow.server.testing import ServerProcess
+
+    real, made = client_module.PegaClient, []
+
+    def first_fails(*args, **kwargs):
+        made.append(1)
+        if len(made) == 1:
+            raise OSError(24, "Too many open files")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(client_module, "PegaClient", first_fails)
+    with ServerProcess(tmp_path / "server", pool_size="32mb") as srv:
+        link = ServerLink(
+            srv.addr, [layout()], client_name="t", instance_name="t", rpc_timeout_s=5.0, retry_interval_s=0.2
+        )
+        link.start()
+        try:
+            wait_for(lambda: link.usable() is not None, timeout_s=30)
+            assert len(made) == 2
+        finally:
+            link.close()
