@@ -851,6 +851,8 @@ class WorkerConnector:
                 )
             except errors.PegaflowError as exc:
                 log.debug("pegaflow: releasing lease %s failed: %s", lease_id, exc)
+            except Exception:  # on the housekeeping thread: said here, or never (the future is not read)
+                log.warning("pegaflow: releasing lease %s failed unexpectedly", lease_id, exc_info=True)
         if _trace.enabled:
             _trace.span("release", t0, leases=len(leases))
 
@@ -904,6 +906,8 @@ class WorkerConnector:
             client.report_prefill(inst, tokens, seconds, timeout_s=self.cfg.rpc_timeout_s)
         except errors.PegaflowError as exc:
             log.debug("pegaflow: prefill report not taken: %s", exc)
+        except Exception:  # on the housekeeping thread: said here, or never (the future is not read)
+            log.warning("pegaflow: reporting the prefill cost failed unexpectedly", exc_info=True)
 
     def handle_preemptions(self, preempted: Iterable[str]) -> None:
         preempted = set(preempted)
