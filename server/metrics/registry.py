@@ -52,6 +52,8 @@ MAX_FEED_DEFER_S = 0.1
 FORCED_FEED_S = 0.05
 BUSY_PAUSE_S = 0.0005
 SKETCH_MODES = ("process", "thread")
+# A flush with a deadline (GetStats, a scrape) looks at it after each slice of this many keys.
+DEADLINE_FEED_SLICE_KEYS = 2048
 # A scrape's wait for the lookup sketches (their process may be seconds behind on a busy host): the
 # engine's families take up to 2 s of Prometheus' default 10 s scrape timeout, the windows this much.
 SCRAPE_WINDOWS_BUDGET_S = 3.0
@@ -216,11 +218,16 @@ class ServerMetrics(EngineObserver):
 
     def flush(self, max_rounds: int = 4, deadline: float | None = None) -> None:
         """Feeds pending lookups now, so a scrape sees up-to-date windows; bounded, so a scrape
-        never does more than a few batches of the feeder's work when it has fallen behind."""
-        for _ in range(max_rounds):
-            if not self._pending or (deadline is not None and time.monotonic() >= deadline):
+        never does more than a few batches of the feeder's work when it has fallen behind. With a
+        ``deadline`` it feeds in short slices and stops at it: in-process sketches take ~3.4 us a key
+        (0.9 s for the four batches on the 2-vCPU VM, more in a busy vLLM worker's interpreter)."""
+        budget = max_rounds * MAX_KEYS_PER_ADD
+        step = MAX_KEYS_PER_ADD if deadline is None else DEADLINE_FEED_SLICE_KEYS
+        while budget > 0 and self._pending:
+            if deadline is not None and time.monotonic() >= deadline:
                 return
-            self._feed_some(MAX_KEYS_PER_ADD, deadline)
+            self._feed_some(min(step, budget), deadline)
+            budget -= step
 
     def _feed_loop(self) -> None:
         while not self._stop.is_set():
