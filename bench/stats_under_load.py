@@ -1,7 +1,8 @@
 """GetStats against its deadline while the host's CPUs are taken: an in-process server (lookup
-sketches in their own process, at nice +10), two threads querying it in a closed loop, ``--hogs``
-busy-loop processes at normal priority (standing for vLLM's engines on the same host), and one
-GetStats every ``--interval`` seconds from a client whose calls have a ``--deadline``.
+sketches in their own process, at nice +10, or with ``--sketches thread`` in this one), two
+threads querying it in a closed loop, ``--hogs`` busy-loop processes at normal priority (standing
+for vLLM's engines on the same host), and one GetStats every ``--interval`` seconds from a client
+whose calls have a ``--deadline``.
 
 Per call: its seconds, and whether it answered with the HLL ceiling, without it, or not at all (the
 deadline passed). Before 2026-12-07 (eleventh session) a GetStats waited for the sketch process to
@@ -37,7 +38,9 @@ def hog(until: float) -> None:
         pass
 
 
-def run(seconds: float, hogs: int, deadline_s: float, interval_s: float) -> list[dict]:
+def run(
+    seconds: float, hogs: int, deadline_s: float, interval_s: float, sketches: str = "process"
+) -> list[dict]:
     calls: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         srv = start_server(
@@ -46,7 +49,7 @@ def run(seconds: float, hogs: int, deadline_s: float, interval_s: float) -> list
                 addr="127.0.0.1:0",
                 http_addr=None,
                 fd_socket_path=os.path.join(tmp, "pool.sock"),
-                lookup_sketches="process",
+                lookup_sketches=sketches,
             )
         )
         try:
@@ -140,6 +143,14 @@ def main(argv: list[str] | None = None) -> None:
         "--deadline", type=float, default=10.0, help="each GetStats' deadline (the harness' 10 s)"
     )
     ap.add_argument("--interval", type=float, default=0.5, help="pause between GetStats calls")
+    ap.add_argument(
+        "--sketches",
+        choices=["process", "thread"],
+        default="process",
+        help="where the lookup sketches run: their own process (the CLI's default) or this one (the "
+        "embedded server's default; the querying threads then share the server's interpreter, as a "
+        "vLLM worker's do)",
+    )
     ap.add_argument("--label", default="")
     ap.add_argument("--out", help="JSON report")
     ap.add_argument("--plot", nargs="+", help="reports to draw side by side (with --png)")
@@ -148,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.plot:
         plot(args.plot, args.png)
         return
-    calls = run(args.seconds, args.hogs, args.deadline, args.interval)
+    calls = run(args.seconds, args.hogs, args.deadline, args.interval, args.sketches)
     report = {
         "label": args.label or os.path.dirname(os.path.dirname(pegaflow.__file__)),
         "pegaflow": os.path.dirname(pegaflow.__file__),
@@ -156,6 +167,7 @@ def main(argv: list[str] | None = None) -> None:
         "seconds": args.seconds,
         "hogs": args.hogs,
         "deadline_s": args.deadline,
+        "sketches": args.sketches,
         "summary": summary(calls, args.deadline),
         "calls": calls,
     }
