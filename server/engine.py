@@ -38,6 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from pegaflow import __version__
+from pegaflow.common.deadlines import acquire_by
 from pegaflow.common.wire import read_lane as lane_wire
 from pegaflow.common.wire import status as wire_status
 from pegaflow.common.wire.checksum import checksum
@@ -1491,9 +1492,7 @@ class KVEngine:
         drained by this loop, not yet applied when stats() drained nothing and read the counters).
         With a ``deadline``, it waits for that pass only until then (the caller then answers without
         the pass's counts rather than past its deadline)."""
-        if deadline is None:
-            self._lane_drain_lock.acquire()
-        elif not self._lane_drain_lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+        if not acquire_by(self._lane_drain_lock, deadline):
             return
         try:
             self._apply_lane_signals(self.lane.drain())
@@ -1589,9 +1588,7 @@ class KVEngine:
         since cannot be mapped by a restarted server: orphans, freed at recovery, never served.
         ``deadline``: a caller that cannot wait (RegisterInstance) leaves the write to the reaper
         when another write (the reaper's, retrying a failing disk) holds the file past it."""
-        if deadline is None:
-            self._persist_lock.acquire()
-        elif not self._persist_lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+        if not acquire_by(self._persist_lock, deadline):
             self._namespaces_unsaved = True  # the reaper's next tick writes it
             return
         try:

@@ -62,6 +62,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from pegaflow.common.deadlines import acquire_by
 from pegaflow.common.wire import frames
 from pegaflow.server.metrics.lookup_sketches import LookupRecord, LookupSketches, SketchSnapshot
 
@@ -300,9 +301,7 @@ class SketchProcess:
         if not records:
             return
         frame = encode_records(records)
-        if deadline is None:
-            self._lock.acquire()
-        elif not self._lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+        if not acquire_by(self._lock, deadline):
             self.dropped_records += len(records)
             return
         try:
@@ -331,9 +330,7 @@ class SketchProcess:
         """The sketches now (every record fed before counted); None while there is no ready child,
         or once ``deadline`` (``time.monotonic``) passes: the socket's lock, the child's start and
         its answer are each waited for only until then."""
-        if deadline is None:
-            self._lock.acquire()
-        elif not self._lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+        if not acquire_by(self._lock, deadline):
             return None  # the feeder is handing a frame to a child that is behind
         try:
             if not self._ready_locked():
