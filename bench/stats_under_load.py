@@ -121,14 +121,15 @@ def plot(paths: list[str], png: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(paths)), 6))
     colors = {"ceiling": "tab:green", "no ceiling": "tab:orange"}
     for k, path in enumerate(paths):
         rep = json.loads(pathlib.Path(path).read_text())
         for c in rep["calls"]:
             ax.scatter(k, c["seconds"], color=colors.get(c["answer"], "tab:red"), s=24, alpha=0.7)
         ax.axhline(rep["deadline_s"], color="grey", ls="--", lw=0.8)
-    ax.set_xticks(range(len(paths)), [json.loads(pathlib.Path(p).read_text())["label"] for p in paths])
+    labels = [json.loads(pathlib.Path(p).read_text())["label"] for p in paths]
+    ax.set_xticks(range(len(paths)), labels, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("GetStats seconds")
     ax.set_title("GetStats with busy CPUs: green ceiling, orange without it, red failed; dashed: deadline")
     fig.tight_layout()

@@ -52,8 +52,10 @@ MAX_FEED_DEFER_S = 0.1
 FORCED_FEED_S = 0.05
 BUSY_PAUSE_S = 0.0005
 SKETCH_MODES = ("process", "thread")
-# A flush with a deadline (GetStats, a scrape) looks at it after each slice of this many keys.
+# A flush with a deadline (GetStats, a scrape) looks at it after each slice of this many keys,
+# and feeds for this long at most: the rest is the feeder's.
 DEADLINE_FEED_SLICE_KEYS = 2048
+FLUSH_BUDGET_S = 0.1
 # A scrape's wait for the lookup sketches (their process may be seconds behind on a busy host): the
 # engine's families take up to 2 s of Prometheus' default 10 s scrape timeout, the windows this much.
 SCRAPE_WINDOWS_BUDGET_S = 3.0
@@ -204,8 +206,14 @@ class ServerMetrics(EngineObserver):
         """The measured hit rate per window and the sketches' snapshot, both after every pending
         lookup was fed: one snapshot for all a scrape's window families. ``deadline``
         (``time.monotonic``): the caller's; no wait for the sketches goes past it (the snapshot is
-        then None, and pending lookups the sketches could not take in time are dropped and counted)."""
-        self.flush(deadline=deadline)
+        then None, and pending lookups the sketches could not take in time are dropped and counted).
+        With a deadline, the pending lookups are fed for FLUSH_BUDGET_S at most (the feeder thread
+        feeds the rest): a caller waits for its answer, not for the feeder's backlog."""
+        if deadline is not None:
+            deadline_for_flush = min(deadline, time.monotonic() + FLUSH_BUDGET_S)
+        else:
+            deadline_for_flush = None
+        self.flush(deadline=deadline_for_flush)
         with self._state_lock:
             measured = self.hit_rate.rates()
         return measured, self.sketch_snapshot(flush=False, deadline=deadline)
