@@ -21,10 +21,11 @@ import tempfile
 log = logging.getLogger("vllm.pegaflow.connector.embedded")
 
 
-def address_file(engine_id: str) -> pathlib.Path:
+def address_file(engine_id: str, temp_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """Where rank 0 publishes the embedded server's gRPC address (processes of one vLLM
-    engine share its engine id and temp dir)."""
-    return pathlib.Path(tempfile.gettempdir()) / f"pegaflow-embedded-{engine_id}.addr"
+    engine share its engine id and temp dir). ``temp_dir``: that engine's temp dir, for a reader
+    outside it (a benchmark reading the address of a server bound to port 0); default this one's."""
+    return pathlib.Path(temp_dir or tempfile.gettempdir()) / f"pegaflow-embedded-{engine_id}.addr"
 
 
 def published_address(engine_id: str) -> str | None:

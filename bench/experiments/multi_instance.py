@@ -28,13 +28,16 @@ import dataclasses
 import math
 import pathlib
 import sys
+import uuid
 
 from pegaflow.bench.experiments import ab, common
 from pegaflow.bench.experiments.common import GIB, MIB, Stopwatch, say, window_covering
 from pegaflow.bench.harness import cachesim, connector_config, models, plots, results, traces
-from pegaflow.bench.harness.pegaflow_proc import PegaflowServerProcess, free_local_addr, get_stats
+from pegaflow.bench.harness.pegaflow_proc import PegaflowServerProcess, get_stats
 from pegaflow.bench.harness.procs import machine_busy_cpu_seconds, mem_available_bytes
 from pegaflow.bench.harness.vllm_fleet import CpuPlacement, VllmConfig, VllmFleet
+from pegaflow.connector.embedded import address_file
+from pegaflow.tools.vllm_cpu.launcher import VllmServer
 from pegaflow.tools.vllm_cpu.tiny_model import TinyModelSpec
 
 ARMS = ("shared", "isolated")
@@ -181,6 +184,23 @@ def _pool_layout(arm: str, setup: Setup, budget: dict) -> tuple[int, int, bool]:
     raise ValueError(f"unknown arm {arm!r}; known: shared, isolated, isolated-servers")
 
 
+def _embedded_address(engine_id: str, vllm: VllmServer) -> str:
+    """The gRPC address an instance's embedded server published (its vLLM's TMPDIR is the work
+    dir's tmp/, tools/vllm_cpu/launcher.py). A missing one means that instance serves without the
+    cache (its embedded server did not start: see its vllm.log), which would skew the comparison."""
+    path = address_file(engine_id, vllm.workdir / "tmp")
+    try:
+        text = path.read_text().strip()
+    except OSError as exc:
+        raise RuntimeError(
+            f"the embedded server of {vllm.workdir.name} published no address ({exc}): its connector "
+            f"runs without the cache; see {vllm.log_path}"
+        ) from exc
+    if not text:
+        raise RuntimeError(f"the embedded server of {vllm.workdir.name} published an empty address in {path}")
+    return text
+
+
 def _cpu_snapshot(fleet: VllmFleet, servers: list[PegaflowServerProcess]) -> dict:
     return {
         "vllm": fleet.cpu_seconds(),
@@ -227,7 +247,7 @@ def run_arm(
     pools, pool_bytes, server_owned = _pool_layout(arm, setup, budget)
     clock = Stopwatch()
     servers: list[PegaflowServerProcess] = []
-    engine_addrs: list[str] = []
+    engine_ids: list[str] = []
     try:
         if server_owned:
             for k in range(pools):
@@ -241,9 +261,14 @@ def run_arm(
             kv_configs = [connector_config.shared_pool(servers[i % pools].addr, timeouts) for i in range(n)]
         else:
             server_ready_s = []
-            # Each embedded engine serves its GetStats on a port of ours, read before the fleet stops.
-            engine_addrs = [free_local_addr() for _ in range(n)]
-            kv_configs = [connector_config.embedded_pool(pool_bytes, timeouts, addr) for addr in engine_addrs]
+            # Each embedded engine serves its GetStats on a port it binds itself (port 0) and publishes
+            # under its engine id, read before the fleet stops. A port picked here beforehand was once
+            # taken first by another process (CI: a GetStats to it ran past its deadline).
+            engine_ids = [f"pegaflow-mi-{arm}-{i}-{uuid.uuid4().hex[:8]}" for i in range(n)]
+            kv_configs = [
+                connector_config.embedded_pool(pool_bytes, timeouts, "127.0.0.1:0", engine_id=engine_id)
+                for engine_id in engine_ids
+            ]
         vcfgs = [
             VllmConfig(
                 model=str(model_dir),
@@ -258,7 +283,10 @@ def run_arm(
 
         def pools_after(fleet: VllmFleet) -> tuple[dict, list[dict], list[dict]]:
             cpu = _cpu_snapshot(fleet, servers)
-            stats = [s.stats() for s in servers] or [get_stats(a) for a in engine_addrs]
+            stats = [s.stats() for s in servers] or [
+                get_stats(_embedded_address(engine_id, server))
+                for engine_id, server in zip(engine_ids, fleet.servers, strict=True)
+            ]
             return cpu, stats, [s.memory() for s in servers]
 
         run = ab.replay_on_fleet(

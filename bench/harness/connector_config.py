@@ -47,10 +47,14 @@ def embedded_pool(
     timeouts: Mapping[str, int] | None = None,
     stats_addr: str | None = None,
     metrics_addr: str | None = None,
+    engine_id: str | None = None,
 ) -> dict:
     """The worker runs the cache engine in-process with a pool of pool_bytes; `stats_addr`
     ("127.0.0.1:<port>") makes its gRPC service listen there so GetStats can be read, and
-    `metrics_addr` serves its Prometheus /metrics (pool pre-fault time included)."""
+    `metrics_addr` serves its Prometheus /metrics (pool pre-fault time included). `engine_id`:
+    vLLM's engine id, which names the file the embedded server publishes its address in
+    (connector/embedded.py): with `stats_addr` port 0, read the port it got there, rather than
+    pick one beforehand that another process may take first."""
     if pool_bytes <= 0:
         raise ValueError(f"pool_bytes must be > 0, got {pool_bytes}")
     extra = {"embedded_pool_size": f"{pool_bytes}b", **(timeouts or {})}
@@ -58,4 +62,7 @@ def embedded_pool(
         extra["embedded_addr"] = stats_addr
     if metrics_addr is not None:
         extra["embedded_http_addr"] = metrics_addr
-    return _kv_transfer_config(extra)
+    config = _kv_transfer_config(extra)
+    if engine_id is not None:
+        config["engine_id"] = engine_id
+    return config

@@ -53,3 +53,10 @@ def test_a_work_dir_too_deep_for_vllm_sockets_is_refused_early():
     check_socket_room(pathlib.Path("/tmp/pfb-mi-abcdefgh/isolated-servers/vllm0"))
     with pytest.raises(ValueError, match="too deep"):
         check_socket_room(pathlib.Path("/tmp") / ("x" * 80) / "vllm0")
+
+
+def test_an_embedded_pool_can_name_its_engine_so_its_published_address_can_be_found():
+    kv = connector_config.embedded_pool(64 << 20, None, "127.0.0.1:0", engine_id="mi-isolated-0")
+    assert kv["engine_id"] == "mi-isolated-0"
+    assert kv["kv_connector_extra_config"]["embedded_addr"] == "127.0.0.1:0"
+    assert "engine_id" not in connector_config.embedded_pool(64 << 20)
