@@ -28,10 +28,11 @@ def address_file(engine_id: str, temp_dir: str | os.PathLike | None = None) -> p
     return pathlib.Path(temp_dir or tempfile.gettempdir()) / f"pegaflow-embedded-{engine_id}.addr"
 
 
-def published_address(engine_id: str) -> str | None:
-    """The embedded server's address once rank 0 has started it, else None."""
+def published_address(engine_id: str, temp_dir: str | os.PathLike | None = None) -> str | None:
+    """The embedded server's address once rank 0 has started it, else None (``temp_dir``: as for
+    ``address_file``)."""
     try:
-        text = address_file(engine_id).read_text().strip()
+        text = address_file(engine_id, temp_dir).read_text().strip()
     except OSError:
         return None
     return text or None

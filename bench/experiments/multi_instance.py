@@ -36,7 +36,7 @@ from pegaflow.bench.harness import cachesim, connector_config, models, plots, re
 from pegaflow.bench.harness.pegaflow_proc import PegaflowServerProcess, get_stats
 from pegaflow.bench.harness.procs import machine_busy_cpu_seconds, mem_available_bytes
 from pegaflow.bench.harness.vllm_fleet import CpuPlacement, VllmConfig, VllmFleet
-from pegaflow.connector.embedded import address_file
+from pegaflow.connector.embedded import published_address
 from pegaflow.tools.vllm_cpu.launcher import VllmServer
 from pegaflow.tools.vllm_cpu.tiny_model import TinyModelSpec
 
@@ -188,17 +188,13 @@ def _embedded_address(engine_id: str, vllm: VllmServer) -> str:
     """The gRPC address an instance's embedded server published (its vLLM's TMPDIR is the work
     dir's tmp/, tools/vllm_cpu/launcher.py). A missing one means that instance serves without the
     cache (its embedded server did not start: see its vllm.log), which would skew the comparison."""
-    path = address_file(engine_id, vllm.workdir / "tmp")
-    try:
-        text = path.read_text().strip()
-    except OSError as exc:
+    addr = published_address(engine_id, vllm.workdir / "tmp")
+    if addr is None:
         raise RuntimeError(
-            f"the embedded server of {vllm.workdir.name} published no address ({exc}): its connector "
-            f"runs without the cache; see {vllm.log_path}"
-        ) from exc
-    if not text:
-        raise RuntimeError(f"the embedded server of {vllm.workdir.name} published an empty address in {path}")
-    return text
+            f"the embedded server of {vllm.workdir.name} published no address: its connector runs "
+            f"without the cache; see {vllm.log_path}"
+        )
+    return addr
 
 
 def _cpu_snapshot(fleet: VllmFleet, servers: list[PegaflowServerProcess]) -> dict:
