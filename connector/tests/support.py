@@ -129,3 +129,22 @@ def ready_blocks(lookup):
         return None if answer is None else answer.ready
 
     return call
+
+
+class StandInLink:
+    """ServerLink's surface as the worker and the lookup use it, over ``client`` (any object: the
+    calls that reach it are the test's); records the failures reported and whether it was closed."""
+
+    def __init__(self, client=None):
+        self.client = client if client is not None else object()
+        self.failures: list[str] = []
+        self.closed = False
+
+    def usable(self):
+        return self.client, ("instance",)
+
+    def report_failure(self, exc, what):
+        self.failures.append(what)
+
+    def close(self):
+        self.closed = True

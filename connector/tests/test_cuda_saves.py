@@ -12,7 +12,15 @@ import pytest
 
 from pegaflow.connector import worker as worker_module
 from pegaflow.connector.metadata import BlockTransfer
-from pegaflow.connector.tests.support import LAYER_NAMES, NUM_BLOCKS, config, hashes, layout, wait_for
+from pegaflow.connector.tests.support import (
+    LAYER_NAMES,
+    NUM_BLOCKS,
+    StandInLink,
+    config,
+    hashes,
+    layout,
+    wait_for,
+)
 from pegaflow.connector.worker import WorkerConnector
 
 pytestmark = pytest.mark.timeout(60)
@@ -59,20 +67,6 @@ class StandInTransfer:
         finally:
             with self._lock:
                 self.running -= 1
-
-
-class StandInLink:
-    def __init__(self):
-        self.failures: list[str] = []
-
-    def usable(self):
-        return object(), ("instance",)
-
-    def report_failure(self, exc, what):
-        self.failures.append(what)
-
-    def close(self):
-        pass
 
 
 def cuda_worker(transfer: StandInTransfer) -> WorkerConnector:

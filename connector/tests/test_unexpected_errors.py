@@ -8,7 +8,7 @@ import pytest
 
 from pegaflow.connector.metadata import BlockTransfer
 from pegaflow.connector.scheduler import ServerPrefixLookup
-from pegaflow.connector.tests.support import LAYER_NAMES, NUM_BLOCKS, config, hashes, layout
+from pegaflow.connector.tests.support import LAYER_NAMES, NUM_BLOCKS, StandInLink, config, hashes, layout
 from pegaflow.connector.worker import WorkerConnector
 
 pytestmark = pytest.mark.timeout(60)
@@ -24,24 +24,8 @@ class RaisingClient:
         raise OSError(24, "Too many open files")
 
 
-class StandInLink:
-    def __init__(self, client=None):
-        self.client = client or RaisingClient()
-        self.failures: list[str] = []
-        self.closed = False
-
-    def usable(self):
-        return self.client, ("instance",)
-
-    def report_failure(self, exc, what):
-        self.failures.append(what)
-
-    def close(self):
-        self.closed = True
-
-
 def test_a_lookup_that_fails_unexpectedly_finds_nothing_and_marks_the_server_unwell():
-    link = StandInLink()
+    link = StandInLink(RaisingClient())
     lookup = ServerPrefixLookup(link, timeout_s=1.0)
     assert lookup(hashes("a", 4)) is None  # vLLM schedules the request without external hits
     assert link.failures == ["prefix lookup"]  # skipped until a probe answers, not retried every step
@@ -56,7 +40,7 @@ def _worker(name: str) -> WorkerConnector:
 
 def test_a_lease_release_that_fails_unexpectedly_is_a_lost_lease_not_an_error():
     w = _worker("release")
-    w.link = StandInLink()
+    w.link = StandInLink(RaisingClient())
     try:
         # The blocks read under it are then reported failed and recomputed (worker._finish_load).
         assert w._release_verified(["lease-1", "lease-2"], loaded_bytes=4096) is False
@@ -76,7 +60,7 @@ class FailingCudaMarks:
 
 def test_a_save_whose_forward_cannot_be_marked_is_dropped_and_holds_no_request():
     w = _worker("cuda-marks")
-    w.link = StandInLink()
+    w.link = StandInLink(RaisingClient())
     w.gpu = FailingCudaMarks()
     try:
         w.submit_saves([BlockTransfer("r", [1, 2], hashes("r", 2))])
@@ -89,7 +73,7 @@ def test_a_save_whose_forward_cannot_be_marked_is_dropped_and_holds_no_request()
 
 def test_shutdown_runs_every_step_when_one_fails():
     w = _worker("shutdown")
-    link = w.link = StandInLink()
+    link = w.link = StandInLink(RaisingClient())
 
     def broken_finish():
         raise RuntimeError("a bug in the load job's end")
