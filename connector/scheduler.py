@@ -107,6 +107,7 @@ class _RequestState:
     saves_held_until: int = 0  # no saves planned before this step (see _plan_saves)
     load_first_block: int = 0  # the planned load's first block (for hit_sources)
     load_sources: tuple[str, ...] = ()
+    saves_off: bool = False  # our bookkeeping failed for it: none of its blocks is saved any more
 
 
 class SchedulerConnector:
@@ -270,7 +271,17 @@ class SchedulerConnector:
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
         """Tokens of the last planned load by where the lookups first found each block ("DRAM", "SSD",
-        "REMOTE"); what is unknown is "DRAM". Sums to ``num_external_tokens``."""
+        "REMOTE"); what is unknown is "DRAM". Sums to ``num_external_tokens``. Statistics only: an
+        error of ours counts them all as DRAM."""
+        try:
+            return self._hit_sources(request, num_external_tokens)
+        except Exception:
+            log.warning(
+                "pegaflow: splitting request %s's hits by tier failed", request.request_id, exc_info=True
+            )
+            return {"DRAM": num_external_tokens} if num_external_tokens > 0 else {}
+
+    def _hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
         state = self._reqs.get(request.request_id)
         load = state.pending_load if state is not None else None
         if num_external_tokens <= 0:
@@ -290,6 +301,41 @@ class SchedulerConnector:
         return out
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """vLLM allocated the request's blocks, counting ``num_external_tokens`` as ours to load.
+        An error of ours here must not reach vLLM's schedule(), and must not leave vLLM counting
+        on tokens nobody loads: the request's external blocks are then reported failed (vLLM
+        recomputes them) and none of its blocks is saved."""
+        seen = self._lookups.get(request.request_id)
+        try:
+            self._after_alloc(request, blocks, num_external_tokens)
+        except Exception:
+            log.error(
+                "pegaflow: planning %s's load failed; recomputing its %d external tokens, not saving it",
+                request.request_id,
+                num_external_tokens,
+                exc_info=True,
+            )
+            self._give_up_after_alloc(request, blocks, num_external_tokens, seen)
+
+    def _give_up_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int, seen: Any) -> None:
+        rid = request.request_id
+        self._lookups.pop(rid, None)
+        state = self._reqs.get(rid)
+        if state is None:
+            state = self._reqs[rid] = _RequestState(request)
+        state.saves_off = True
+        state.pending_load = None
+        state.pending_failed_ids = []
+        if num_external_tokens <= 0:
+            return
+        # Only the external blocks: a failed block id rolls back every running request holding it,
+        # and the local prefix before them may be shared through vLLM's prefix cache.
+        first = seen.local_blocks if seen is not None else 0
+        block_ids = blocks.get_block_ids()[0]
+        last = min(first + -(-num_external_tokens // self.block_size), len(block_ids))
+        state.pending_failed_ids = list(block_ids[first:last])
+
+    def _after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
         state = self._reqs.get(rid)
         if state is None:
@@ -329,9 +375,58 @@ class SchedulerConnector:
 
     # ---------------------------------------------------------------- steps
     def build_meta(self, scheduler_output: Any) -> PegaConnectorMetadata:
+        """This step's loads, saves and hand-backs for the workers. An error of ours here must not
+        reach vLLM's schedule(): the step then carries what keeps vLLM's KV right (every load
+        promised is reported failed, blocks kept for saves are handed back, preemptions are
+        passed on) and no saves (see _fallback_meta)."""
         self._step += 1
-        self._last_step_idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
         meta = PegaConnectorMetadata()
+        try:
+            return self._fill_meta(meta, scheduler_output)
+        except Exception:
+            log.error(
+                "pegaflow: building step %d's metadata failed; no saves this step", self._step, exc_info=True
+            )
+            return self._fallback_meta(meta, scheduler_output)
+
+    def _fallback_meta(self, partial: PegaConnectorMetadata, scheduler_output: Any) -> PegaConnectorMetadata:
+        """What a step must carry whatever failed while building it, built from the partial
+        metadata and the requests' states alone. Loads become failed loads: vLLM recomputes those
+        blocks rather than reading blocks nobody filled. A request that was to load saves nothing
+        any more: its roll-back (if a load failed) is what the step's bookkeeping would have
+        tracked. Saves already planned are dropped (each is a future miss, never a wrong block;
+        their requests' blocks are still handed back through delayed_free_req_ids)."""
+        meta = PegaConnectorMetadata()
+        failed: dict[str, list[int]] = dict(partial.failed_loads)
+        loading = list(partial.loads)
+        for rid, state in self._reqs.items():
+            if state.pending_load is not None:
+                loading.append(state.pending_load)
+                state.pending_load = None
+            if state.pending_failed_ids:
+                failed.setdefault(rid, []).extend(state.pending_failed_ids)
+                state.pending_failed_ids = []
+        for transfer in loading:
+            failed.setdefault(transfer.req_id, []).extend(transfer.block_ids)
+        for rid in failed:
+            state = self._reqs.get(rid)
+            if state is not None:
+                state.saves_off = True
+        meta.failed_loads = failed
+        self._finish_saves = []
+        delayed = list(partial.delayed_free_req_ids) + self._delayed_free
+        meta.delayed_free_req_ids, self._delayed_free = list(dict.fromkeys(delayed)), []
+        try:
+            meta.preempted_req_ids = sorted(scheduler_output.preempted_req_ids or ())
+        except Exception:
+            # Unknown: every request we track counts as preempted, so no save can still be reading
+            # blocks this step reuses (the workers settle those saves first; a wait, not a wrong block).
+            log.error("pegaflow: step %d's preempted requests are unreadable", self._step, exc_info=True)
+            meta.preempted_req_ids = sorted(self._reqs)
+        return meta
+
+    def _fill_meta(self, meta: PegaConnectorMetadata, scheduler_output: Any) -> PegaConnectorMetadata:
+        self._last_step_idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
             if state is None:
@@ -409,7 +504,7 @@ class SchedulerConnector:
             # (and may be missing from the store), so they are saved again
             state.next_save_block = min(state.next_save_block, before // bs)
         state.expected_computed = before + n_scheduled
-        if self._step < state.saves_held_until:
+        if self._step < state.saves_held_until or state.saves_off:
             return
         transfer = self._unsaved_blocks(state, state.expected_computed)
         if transfer is not None:
@@ -445,13 +540,29 @@ class SchedulerConnector:
         """True when the request's blocks must stay until the workers' saves are done.
         A request that finished in the step that loaded it still has that step's blocks to
         save (deferred, see _plan_saves): vLLM finishing it means no rank's load failed, so
-        they are saved now, from the blocks it keeps for us."""
+        they are saved now, from the blocks it keeps for us. After an error of ours the blocks
+        are kept all the same (the workers may still be copying from them) and handed back once
+        the workers have no save of the request left: a late hand-back, never a block freed
+        under a copy."""
+        rid = request.request_id
+        try:
+            return self._finished(request)
+        except Exception:
+            log.error(
+                "pegaflow: finishing request %s failed; its blocks wait for its saves", rid, exc_info=True
+            )
+            self._reqs.pop(rid, None)
+            if rid not in self._delayed_free:
+                self._delayed_free.append(rid)
+            return True
+
+    def _finished(self, request: Any) -> bool:
         rid = request.request_id
         self._lookups.pop(rid, None)
         state = self._reqs.pop(rid, None)
         if state is None:
             return False
-        if self._saves and state.expected_computed is not None:
+        if self._saves and state.expected_computed is not None and not state.saves_off:
             transfer = self._unsaved_blocks(state, state.expected_computed)
             if transfer is not None:
                 self._finish_saves.append(transfer)

@@ -516,3 +516,100 @@ def test_a_lookup_that_raises_means_no_hits_and_the_request_goes_on():
     meta = conn.build_meta(step(new=[(req, range(8), 0)], scheduled={"g": 1000}))
     assert meta.loads == []
     assert [s.block_ids for s in meta.saves] == [list(range(7))]
+
+
+# An error of ours in the bookkeeping of vLLM's schedule() (a bug, a vLLM object shaped otherwise than
+# we expect) must neither reach vLLM nor leave it counting on KV nobody loads or freeing blocks a save
+# still reads. Each test breaks one step of the real bookkeeping and checks what vLLM is then told.
+
+
+def _broken(*args, **kwargs):
+    raise AttributeError("a bookkeeping bug")
+
+
+def test_an_error_planning_a_load_reports_its_blocks_failed_and_saves_nothing(monkeypatch):
+    from pegaflow.connector import scheduler
+
+    req = request("p", 1000)
+    conn = SchedulerConnector(block_size=BS, lookup=Store(req.block_hashes[:5]), loads=True, saves=True)
+    ext, _ = conn.get_num_new_matched_tokens(req, 2 * BS)  # two blocks in vLLM's prefix cache
+    assert ext == 3 * BS
+    monkeypatch.setattr(scheduler, "BlockTransfer", _broken)
+    conn.update_state_after_alloc(req, blocks(range(8)), ext)
+    monkeypatch.undo()
+    meta = conn.build_meta(step(new=[(req, range(8), 5 * BS)], scheduled={"p": 1000 - 5 * BS}))
+    # the external blocks only: the local prefix may be shared with other requests
+    assert meta.failed_loads == {"p": [2, 3, 4]}
+    assert meta.loads == [] and meta.saves == []
+    later = conn.build_meta(step(cached=[("p", None, 2 * BS)], scheduled={"p": 1000 - 2 * BS}))
+    assert later.saves == []  # computed after a failed plan: never stored
+    assert conn.request_finished(req) is False
+
+
+def test_an_error_building_a_step_fails_its_loads_hands_back_held_blocks_and_passes_preemptions(monkeypatch):
+    held, loading, other = request("h", 300), request("q", 1000, seed=1), request("r", 600, seed=2)
+    conn = SchedulerConnector(block_size=BS, lookup=Store(loading.block_hashes[:3]), loads=True, saves=True)
+    admit(conn, held, range(3))
+    admit(conn, other, range(10, 15))
+    conn.build_meta(
+        step(new=[(held, range(3), 0), (other, range(10, 15), 0)], scheduled={"h": 300, "r": 600})
+    )
+    assert conn.request_finished(held) is True  # its saves may still be copying
+    assert admit(conn, loading, range(20, 28)) == 3 * BS
+    monkeypatch.setattr(conn, "_plan_saves", _broken)
+    meta = conn.build_meta(
+        step(new=[(loading, range(20, 28), 3 * BS)], scheduled={"q": 1000 - 3 * BS}, preempted={"r"})
+    )
+    monkeypatch.undo()
+    assert meta.loads == [] and meta.saves == []
+    assert meta.failed_loads == {"q": [20, 21, 22]}  # vLLM recomputes them
+    assert meta.delayed_free_req_ids == ["h"]  # handed back, not held forever
+    assert meta.preempted_req_ids == ["r"]  # the workers settle saves reading its blocks
+    # the request that was to load saves nothing from now on; the others go on as before
+    after = conn.build_meta(
+        step(
+            cached=[("q", None, 3 * BS), ("r", None, 0)],
+            scheduled={"q": 1000 - 3 * BS, "r": 600},
+            resumed={"r"},
+        )
+    )
+    assert "q" not in {s.req_id for s in after.saves}
+    assert after.failed_loads == {} and after.delayed_free_req_ids == []
+
+
+def test_unreadable_preemptions_count_every_tracked_request_as_preempted(monkeypatch):
+    a, b = request("s", 600), request("t", 600, seed=3)
+    conn = SchedulerConnector(block_size=BS, lookup=Store(), loads=True, saves=True)
+    admit(conn, a, range(5))
+    admit(conn, b, range(5, 10))
+    conn.build_meta(step(new=[(a, range(5), 0), (b, range(5, 10), 0)], scheduled={"s": 600, "t": 600}))
+
+    class Unreadable:
+        scheduled_new_reqs = ()
+
+        def __getattr__(self, name):
+            raise AttributeError(name)
+
+    meta = conn.build_meta(Unreadable())
+    assert meta.preempted_req_ids == ["s", "t"]
+
+
+def test_an_error_finishing_a_request_keeps_its_blocks_until_the_workers_hand_them_back(monkeypatch):
+    req = request("u", 1000)
+    conn = SchedulerConnector(block_size=BS, lookup=Store(), loads=True, saves=True)
+    admit(conn, req, range(8))
+    conn.build_meta(step(new=[(req, range(8), 0)], scheduled={"u": 512}))
+    monkeypatch.setattr(conn, "_unsaved_blocks", _broken)
+    # a save of its blocks may still be copying: freeing them now could store another request's KV
+    assert conn.request_finished(req) is True
+    monkeypatch.undo()
+    assert conn.build_meta(step()).delayed_free_req_ids == ["u"]
+    assert conn.num_tracked_requests == 0
+
+
+def test_an_error_splitting_hits_by_tier_counts_them_as_dram(monkeypatch):
+    req = request("v", 1000)
+    conn = SchedulerConnector(block_size=BS, lookup=Store(req.block_hashes[:3]), loads=True, saves=True)
+    admit(conn, req, range(8))
+    monkeypatch.setattr(conn, "_reqs", None)  # any error of ours
+    assert conn.hit_sources(req, 3 * BS) == {"DRAM": 3 * BS}
