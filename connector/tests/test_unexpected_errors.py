@@ -87,7 +87,11 @@ def test_shutdown_runs_every_step_when_one_fails():
 def test_a_mistyped_log_level_is_ignored_not_a_failed_import():
     """The connector module is imported by every vLLM process; PEGAFLOW_LOG_LEVEL=verbose used to
     raise there (ValueError from setLevel) and stop vLLM."""
-    pytest.importorskip("vllm")  # the module imports vLLM's connector base (absent on the GPU host)
+    # The module imports vLLM's connector base. On the GPU host there is no vLLM, only the marker
+    # classes test_gpu_worker_server.py puts in sys.modules when it runs first (no __file__).
+    vllm = pytest.importorskip("vllm")
+    if getattr(vllm, "__file__", None) is None:
+        pytest.skip("vLLM is not installed here: only stand-in marker classes")
     import os
     import subprocess
     import sys

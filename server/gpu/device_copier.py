@@ -3,15 +3,19 @@
 A ``DeviceCopier`` has two lanes per GPU, one per direction (the host link is
 full duplex: saves and loads proceed side by side). ``start()`` enqueues a
 copy on its lane's streams *on the calling thread* and returns a ``Copy``
-at once; ``Copy.wait(deadline)`` waits for the GPU (``cudaEventSynchronize``
-spins without the GIL), then ``Copy.finish()`` returns what it did. Why on the
+at once; ``Copy.wait(deadline)`` waits for the GPU until the deadline at most
+(``wait_until``: it polls the copy's event, spinning first), then
+``Copy.finish()`` returns what it did. Why on the
 caller's thread: handing a copy to a launcher thread and its completion back
 to the caller cost two thread wake-ups per request, 0.2-0.3 ms each on the
 H200 host we measured, as much as 2-3% of a 576 MiB copy; a request that
 launches and waits itself pays none. The enqueueing calls hold the GIL
 (``cuda_runtime.StreamCalls``), so another thread's Python cannot delay them.
-A lane's launches are serialised by its lock; several requests' copies
-interleave on its streams in launch order.
+A lane's launches are serialised by its lock, taken by the copy's
+``start_by`` deadline; several requests' copies interleave on its streams in
+launch order. No wait of a caller's (the lock, a full upload ring, the copy)
+outlasts its deadline: only the reaper, which no caller waits for, blocks in
+``cudaEventSynchronize``.
 
 Two ways to move a copy's bytes:
 
@@ -55,6 +59,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from pegaflow.common.deadlines import acquire_by
 from pegaflow.server.gpu import cuda_runtime
 from pegaflow.server.gpu.copy_plan import (
     DEFAULT_MAX_PIECE_BYTES,
@@ -74,10 +79,17 @@ DEFAULT_STAGED_MIN_RUN_BYTES = 8 << 20
 # Pinned upload buffers per lane: one request's chunks (up to ~10) are launched before the GPU has
 # consumed the first uploads, and a buffer is only reused once its upload has run.
 _UPLOAD_RING = 32
-# A wait this far (or farther) from its deadline blocks in cudaEventSynchronize; nearer, it polls, so
-# that it can give up at the deadline.
-_BLOCKING_WAIT_MARGIN_S = 0.25
+# How a caller waits for the GPU (wait_until): it polls the event (cuEventQuery, ~1 us, GIL kept),
+# never blocks in cudaEventSynchronize, which takes no timeout: until 2026-12-07 a wait more than 0.25 s
+# from its deadline did, so a hung GPU held the call past its deadline, and its thread for good. For
+# the first _SPIN_S the poll only gives the GIL away between queries (time.sleep(0)), so a copy that
+# ends meanwhile (most chunks: 0.3-5 ms of GPU time) is seen within microseconds, as the synchronize
+# (a spin in the driver) saw it; then it sleeps between queries, _POLL_S at first, then a 32nd of the
+# time waited so far (a late sighting costs at most ~3 % of the wait), at most _MAX_POLL_S, and never
+# past the deadline, where it queries once more before it gives up.
+_SPIN_S = 2e-3
 _POLL_S = 50e-6
+_MAX_POLL_S = 1e-3
 
 MODES = ("auto", "direct", "staged")
 
@@ -88,6 +100,32 @@ class CopyCancelled(RuntimeError):
 
 class CopyFailed(RuntimeError):
     """CUDA reported an error for the copy; nothing it wrote may be trusted."""
+
+
+class _NotEnqueued(CopyCancelled):
+    """The copy's deadline passed before any of its work was enqueued (only events were recorded):
+    nothing of it can run, so the lane need not be drained."""
+
+
+def wait_until(
+    done: Callable[[], bool],
+    deadline: float,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> bool:
+    """Polls ``done()`` until it is True (True) or ``deadline`` (``clock``'s time) passed (False):
+    spinning for _SPIN_S, yielding the GIL between polls, then sleeping between them (see _SPIN_S).
+    ``done`` is asked once more at the deadline; its errors propagate."""
+    start = clock()
+    while True:
+        if done():
+            return True
+        now = clock()
+        if now >= deadline:
+            return False
+        waited = now - start
+        pause = 0.0 if waited < _SPIN_S else min(max(waited / 32, _POLL_S), _MAX_POLL_S)
+        sleep(min(pause, deadline - now))
 
 
 @dataclasses.dataclass
@@ -157,20 +195,19 @@ class Copy:
 
     def wait(self, deadline: float | None = None) -> bool:
         """True once the copy completed; False if ``deadline`` (time.monotonic) passed first (it still
-        runs: ``abandon()`` it). Raises CopyFailed for a CUDA error."""
+        runs: ``abandon()`` it, and the reaper frees what it uses once it ended). Raises CopyFailed for
+        a CUDA error. A caller's wait (a deadline) polls (``wait_until``), so a hung GPU cannot hold it
+        past its deadline; only ``deadline=None`` (the reaper, which no caller waits for) blocks in
+        cudaEventSynchronize, for as long as the GPU takes."""
         if self.done:
             return True
-        if deadline is None or deadline - time.monotonic() > _BLOCKING_WAIT_MARGIN_S:
-            try:
-                self._lane.rt.eventSynchronize(self._event)  # spins in the driver, GIL released
-            except Exception as exc:  # CUDARuntimeError: the copy failed
-                raise CopyFailed(f"CUDA error during the copy: {exc}") from exc
-            self._completed = time.perf_counter()
-            return True
-        while not self.done:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(_POLL_S)
+        if deadline is not None:
+            return wait_until(lambda: self.done, deadline)
+        try:
+            self._lane.rt.eventSynchronize(self._event)  # spins in the driver, GIL released
+        except Exception as exc:  # CUDARuntimeError: the copy failed
+            raise CopyFailed(f"CUDA error during the copy: {exc}") from exc
+        self._completed = time.perf_counter()
         return True
 
     def finish(self) -> CopyResult:
@@ -228,12 +265,21 @@ class _PinnedRing:
         self._events = [rt.eventCreateWithFlags(cuda_runtime.EVENT_DISABLE_TIMING) for _ in range(slots)]
         self._next = 0
 
-    def stage(self, calls, arrays: list[np.ndarray]) -> tuple[int, int, int]:
-        """Copies the arrays back to back into the next pinned buffer; returns (address, bytes, slot)."""
+    def stage(self, calls, arrays: list[np.ndarray], deadline: float | None = None) -> tuple[int, int, int]:
+        """Copies the arrays back to back into the next pinned buffer; returns (address, bytes, slot).
+        If that buffer's previous upload has not run yet (the GPU is _UPLOAD_RING launches behind, or
+        hung), waits for it until ``deadline`` at most, then raises _NotEnqueued (nothing staged)."""
         slot = self._next
+        event = self._events[slot]
+        if not calls.done(event):
+            if deadline is None:
+                self._rt.eventSynchronize(event)
+            elif not wait_until(lambda: calls.done(event), deadline):
+                raise _NotEnqueued(
+                    f"copy not started: the GPU had not run the {len(self._bufs)} uploads before it "
+                    "by its deadline"
+                )
         self._next = (slot + 1) % len(self._bufs)
-        if not calls.done(self._events[slot]):
-            self._rt.eventSynchronize(self._events[slot])  # its previous upload has not run yet
         nbytes = sum(a.nbytes for a in arrays)
         if self._bufs[slot] is None or self._sizes[slot] < nbytes:
             size = max(nbytes, 2 * self._sizes[slot], 64 << 10)
@@ -303,9 +349,16 @@ class _Lane:
             self.slot_free = [rt.eventCreateWithFlags(flags) for _ in self.slot_addrs]
         self._next_slot = 0
 
-    def start(self, key, entry: _Layout, ids, offs, mode, nbytes, trace, started) -> Copy:
+    def start(self, key, entry: _Layout, ids, offs, mode, nbytes, trace, started, start_by=None) -> Copy:
+        """Enqueues the copy; CopyCancelled if the lane's lock or a free upload buffer did not come by
+        ``start_by`` (time.monotonic; None: as long as it takes): nothing of it was enqueued then."""
         copier, rt, calls = self.copier, self.rt, self.calls
-        with self.lock:
+        if not acquire_by(self.lock, start_by):
+            raise CopyCancelled(
+                f"copy for {key} not started: the {self.name} lane's earlier launches held it past "
+                "its deadline"
+            )
+        try:
             launched = time.perf_counter()
             rt.setDevice(copier.ordinal)
             event = rt.eventCreateWithFlags(cuda_runtime.EVENT_DISABLE_TIMING)
@@ -316,10 +369,15 @@ class _Lane:
                     timing = (rt.eventCreate(), rt.eventCreate())
                     calls.record(timing[0], self.ks)
                     marks = [("events", time.perf_counter())]
-                used, done_stream = self._launch(entry, ids, offs, mode, marks)
+                used, done_stream = self._launch(entry, ids, offs, mode, marks, start_by)
                 calls.record(event, done_stream)
                 if timing is not None:
                     calls.record(timing[1], done_stream)
+            except _NotEnqueued:
+                # Only events were recorded (destroying one before it completes is allowed): no drain.
+                for ev in (event, *(timing or ())):
+                    rt.eventDestroy(ev)
+                raise
             except BaseException:
                 # Nothing of it may still run when its memory is reused: drain the lane, then drop it.
                 try:
@@ -330,16 +388,20 @@ class _Lane:
                         rt.eventDestroy(ev)
                 raise
             launch_done = time.perf_counter()
+        finally:
+            self.lock.release()
         return Copy(self, key, nbytes, used, event, timing, started, launched, launch_done, marks or ())
 
-    def _upload(self, arrays: list[np.ndarray]) -> int:
-        host_ptr, nbytes, slot = self.uploads.stage(self.calls, arrays)
+    def _upload(self, arrays: list[np.ndarray], start_by: float | None = None) -> int:
+        host_ptr, nbytes, slot = self.uploads.stage(self.calls, arrays, start_by)
         dev = self.dev_args.reserve(nbytes)
         self.calls.memcpy(dev, host_ptr, nbytes, self.ks)
         self.uploads.uploaded(self.calls, slot, self.ks)
         return dev
 
-    def _launch(self, entry: _Layout, ids, offs, mode, marks: list | None = None) -> tuple[str, int]:
+    def _launch(
+        self, entry: _Layout, ids, offs, mode, marks: list | None = None, start_by: float | None = None
+    ) -> tuple[str, int]:
         copier = self.copier
         block_bytes = entry.layout.block_bytes
         n = ids.size
@@ -351,7 +413,7 @@ class _Lane:
         if marks is not None:
             marks.append(("planned", time.perf_counter()))
         if staged is None:
-            dev = self._upload([ids, offs])
+            dev = self._upload([ids, offs], start_by)
             if marks is not None:
                 marks.append(("uploaded", time.perf_counter()))
             copier.kernel.launch(
@@ -367,13 +429,15 @@ class _Lane:
                 self.to_host,
             )
             return "direct", self.ks
-        return "staged", self._launch_staged(entry, ids, staged, marks)
+        return "staged", self._launch_staged(entry, ids, staged, marks, start_by)
 
-    def _launch_staged(self, entry: _Layout, ids, plan, marks: list | None = None) -> int:
+    def _launch_staged(
+        self, entry: _Layout, ids, plan, marks: list | None = None, start_by: float | None = None
+    ) -> int:
         copier, calls = self.copier, self.calls
         ks, cs = self.ks, self.cs
         n = ids.size
-        dev = self._upload([ids[plan.order], plan.slot_offset])
+        dev = self._upload([ids[plan.order], plan.slot_offset], start_by)
         if marks is not None:
             marks.append(("uploaded", time.perf_counter()))
         starts = plan.starts.tolist()
@@ -564,7 +628,7 @@ class DeviceCopier:
             self._pending[key] += 1
         try:
             return self._lanes[to_host].start(
-                key, entry, ids, offs, mode, ids.size * entry.layout.block_bytes, trace, started
+                key, entry, ids, offs, mode, ids.size * entry.layout.block_bytes, trace, started, start_by
             )
         except BaseException as exc:
             self._copy_settled(key)

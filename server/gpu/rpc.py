@@ -45,7 +45,9 @@ def handle_register(gpu, req: pb.RegisterDeviceMemoryRequest, deadline: float):
 
 def handle_unregister(gpu, req: pb.UnregisterDeviceMemoryRequest, deadline: float):
     _require(gpu).unregister(
-        check.ident(req.session_id, "session_id"), check.ident(req.registration_id, "registration_id")
+        check.ident(req.session_id, "session_id"),
+        check.ident(req.registration_id, "registration_id"),
+        deadline,
     )
     return pb.UnregisterDeviceMemoryResponse()
 

@@ -16,8 +16,10 @@ bytes:
 
 Leases and unsealed saves are taken under the data path's own engine session,
 so the worker's death cannot free pool blocks under a running copy. When the
-worker's session ends, ``on_session_end`` retires its registrations: new
-copies are refused, running ones finish, then the IPC mappings are closed.
+worker's session ends, ``on_session_end`` retires its registrations: at once
+no call finds them any more, and on the data path's retiring threads (never on
+the thread that ended the session, e.g. a CloseSession handler) new copies
+are refused, running ones finish, then the IPC mappings are closed.
 A request runs on its RPC thread from start to end: it enqueues its copies
 on the copier's streams itself and waits for the GPU (GIL released); a copy
 it stops waiting for is finished, and cleaned up after, by the copier's
@@ -73,6 +75,9 @@ _PLANNING_BYTES_PER_S = 20e9
 _PLANNING_FIXED_S = 0.005
 # Blocks per engine call when restating a chunked request's chain (see _refresh).
 _REFRESH_SEGMENT = 32
+# Registrations retired at once (each waits for its own copies, up to retire_timeout_s): one stuck on
+# a hung GPU does not keep the others' IPC mappings open.
+_RETIRING_THREADS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,11 +143,19 @@ class GpuDataPath:
         self._ipc = IpcMappings()
         self._lock = threading.Lock()
         self._copiers: dict[int, DeviceCopier] = {}
+        # A GPU's copier while its first registration builds it (kernel compile, streams, self-test),
+        # on a thread of its own and outside self._lock: every caller waits for it by its deadline.
+        self._building: dict[int, concurrent.futures.Future] = {}
         self._regs: dict[str, _Registration] = {}
         self._closed = False
         # What may run after a call answered: restating a chunked save's chain (LRU order).
         self._housekeeping = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="pegaflow-gpu-release"
+        )
+        # Retiring registrations (waiting for their copies in flight, up to retire_timeout_s, then
+        # closing their IPC mappings): off the thread of the call that ended them, which has a deadline.
+        self._retirer = concurrent.futures.ThreadPoolExecutor(
+            _RETIRING_THREADS, thread_name_prefix="pegaflow-gpu-retire"
         )
         # The Unix socket of the local fast path for saves and loads, named in RegisterDeviceMemory's
         # answer: set by the runtime once its doorbell (server/endpoints/doorbell.py) listens; "" = none.
@@ -179,7 +192,7 @@ class GpuDataPath:
                 addrs.append(self._ipc.open(ordinal, t.ipc_handle) + t.offset)
                 handles.append(t.ipc_handle)
             reg_id = "g-" + secrets.token_hex(12)
-            self._copier(ordinal).add_layout(reg_id, layout, addrs)
+            self._copier(ordinal, deadline).add_layout(reg_id, layout, addrs)
         except IpcError as exc:
             self._close_handles(handles)
             raise FailedPrecondition(f"device registration: {exc}") from exc
@@ -200,21 +213,50 @@ class GpuDataPath:
         )
         return reg_id
 
-    def unregister(self, session_id: str, reg_id: str) -> None:
+    def unregister(self, session_id: str, reg_id: str, deadline: float | None = None) -> None:
+        """Drops a registration: no call finds it from now on. Returns once its copies in flight ended
+        and its IPC mappings are closed; DeadlineExceeded if that takes past ``deadline`` (the
+        retirement goes on: the mappings are closed once those copies end)."""
         reg = self._get(session_id, reg_id)
-        self._retire(reg)
-
-    def on_session_end(self, session_id: str) -> None:
-        """The worker's session ended (closed, disconnected or expired): drop its registrations."""
-        with self._lock:
-            regs = [r for r in self._regs.values() if r.session_id == session_id]
-        for reg in regs:
-            self._retire(reg)
-
-    def _retire(self, reg: _Registration) -> None:
         with self._lock:
             if self._regs.pop(reg.id, None) is None:
-                return
+                raise NotFound("device registration", reg_id)
+        retired = self._retire_later(reg)
+        try:
+            retired.result(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+        except concurrent.futures.TimeoutError:
+            raise DeadlineExceeded(
+                f"registration {reg_id} is dropped, but its copies in flight did not end by the deadline; "
+                "its IPC mappings are closed once they do"
+            ) from None
+
+    def on_session_end(self, session_id: str) -> None:
+        """The worker's session ended (closed, disconnected or expired): drop its registrations. Returns
+        at once (it runs on the thread that ended the session, e.g. a CloseSession handler): they are
+        gone from the table now, and retired (copies in flight waited for, then the IPC mappings
+        closed) on the retiring threads."""
+        with self._lock:
+            regs = [r for r in self._regs.values() if r.session_id == session_id]
+            for reg in regs:
+                del self._regs[reg.id]
+        for reg in regs:
+            self._retire_later(reg)
+
+    def _retire_later(self, reg: _Registration) -> concurrent.futures.Future:
+        """Retires ``reg`` (already out of self._regs) on a retiring thread; inline once they have
+        been shut down (close())."""
+        try:
+            return self._retirer.submit(self._retire, reg)
+        except RuntimeError:  # shut down: the data path is closing
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            self._retire(reg)
+            done.set_result(None)
+            return done
+
+    def _retire(self, reg: _Registration) -> None:
+        """Refuses new copies of ``reg`` (out of self._regs already), waits for those in flight (up to
+        retire_timeout_s), then closes its IPC mappings; keeps them if a copy still runs."""
+        with self._lock:
             copier = self._copiers.get(reg.ordinal)
         if copier is not None and not copier.retire(reg.id, self.options.retire_timeout_s):
             # A copy still runs on that memory: keep it mapped (leaked) rather than unmap it under the GPU.
@@ -234,26 +276,65 @@ class GpuDataPath:
             raise NotFound("device registration", reg_id)
         return reg
 
-    def _copier(self, ordinal: int) -> DeviceCopier:
+    def _copier(self, ordinal: int, deadline: float | None = None) -> DeviceCopier:
+        """GPU ``ordinal``'s copier. The first registration on a GPU has it built (a kernel compile,
+        streams and buffers, a self-test: up to seconds) on a thread of its own, outside self._lock,
+        so that no other call waits on the lock meanwhile; it and any registration arriving meanwhile
+        wait for the build by their deadline (DeadlineExceeded; the build goes on and is published
+        for the next one). A failed build is every waiter's error; the next registration tries again."""
         with self._lock:
             if self._closed:
                 raise FailedPrecondition("the GPU data path is shutting down")
             copier = self._copiers.get(ordinal)
-            if copier is None:
-                o = self.options
-                copier = DeviceCopier(
-                    ordinal,
-                    self._pinned.device_addr,
-                    self._pinned.size,
-                    kernel_config=o.kernel,
-                    slot_bytes=o.slot_bytes,
-                    slots=o.slots,
-                    max_piece_bytes=o.max_piece_bytes,
-                    staged_min_run_bytes=o.staged_min_run_bytes,
-                    driver_calls=o.driver_calls,
-                )
+            if copier is not None:
+                return copier
+            building = self._building.get(ordinal)
+            if building is None:
+                building = self._building[ordinal] = concurrent.futures.Future()
+                threading.Thread(
+                    target=self._build_copier,
+                    args=(ordinal, building),
+                    name=f"pegaflow-gpu{ordinal}-copier-build",
+                    daemon=True,
+                ).start()
+        try:
+            return building.result(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+        except concurrent.futures.TimeoutError:
+            raise DeadlineExceeded(
+                f"GPU {ordinal}'s copier (built at its first registration) was not ready by the deadline"
+            ) from None
+
+    def _build_copier(self, ordinal: int, building: concurrent.futures.Future) -> None:
+        """Builds GPU ``ordinal``'s copier, publishes it under self._lock, then resolves ``building``."""
+        o = self.options
+        try:
+            copier = DeviceCopier(
+                ordinal,
+                self._pinned.device_addr,
+                self._pinned.size,
+                kernel_config=o.kernel,
+                slot_bytes=o.slot_bytes,
+                slots=o.slots,
+                max_piece_bytes=o.max_piece_bytes,
+                staged_min_run_bytes=o.staged_min_run_bytes,
+                driver_calls=o.driver_calls,
+            )
+        except BaseException as exc:
+            log.exception("gpu: building GPU %d's copier failed", ordinal)
+            with self._lock:
+                del self._building[ordinal]
+            building.set_exception(exc)
+            return
+        with self._lock:
+            del self._building[ordinal]
+            closed = self._closed
+            if not closed:
                 self._copiers[ordinal] = copier
-            return copier
+        if closed:  # close() ran meanwhile and did not see it
+            copier.close()
+            building.set_exception(FailedPrecondition("the GPU data path is shutting down"))
+            return
+        building.set_result(copier)
 
     # -------------------------------------------------------------- data path
 
@@ -519,8 +600,10 @@ class GpuDataPath:
                 return
             self._closed = True
             regs = list(self._regs.values())
+            self._regs.clear()
         for reg in regs:
-            self._retire(reg)
+            self._retire_later(reg)
+        self._retirer.shutdown(wait=True)  # these, and those of sessions ended before
         for copier in self._copiers.values():
             copier.close()
         self._copiers.clear()

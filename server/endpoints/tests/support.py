@@ -121,7 +121,7 @@ class StandInGpu:
             self._regs[reg_id] = session_id
         return reg_id
 
-    def unregister(self, session_id, reg_id) -> None:
+    def unregister(self, session_id, reg_id, deadline=None) -> None:
         with self._lock:
             if self._regs.get(reg_id) != session_id:
                 raise NotFound("device registration", reg_id)

@@ -252,3 +252,26 @@ def test_submit_returns_at_once_and_copies_complete_on_the_reaper(pool, copier):
         assert len(done) == 8 and all(f.exception() is None for f in futs)
     finally:
         assert copier.retire("bg", timeout_s=60)
+
+
+def test_a_full_upload_ring_waits_by_the_start_deadline(pool, copier):
+    """More launches queued than a lane has upload buffers (32): a start waits (polling) for the
+    oldest buffer's upload by its start_by; one whose start_by passes first is CopyCancelled having
+    enqueued nothing, and the lane goes on: every copy before and after it completes."""
+    cupy = cuda_runtime.cupy_module()
+    src = cupy.zeros(32 << 20, dtype=cupy.uint8)
+    copier.add_layout("ring", BlockLayout([Segment(0, 0, 0, 32 << 20)], [32 << 20], 1), [src.data.ptr])
+    ids = [0] * 64  # 2 GiB a copy, ~40 ms of GPU time: the GPU falls behind and starts 33-40 wait
+    try:
+        far = time.monotonic() + 120
+        copies = [copier.start("ring", True, ids, ids, "direct", far) for _ in range(40)]
+        # The next buffer's last upload runs once the copy the GPU has just begun ends (~40 ms).
+        with pytest.raises(CopyCancelled, match="uploads"):
+            copier.start("ring", True, ids, ids, "direct", time.monotonic() + 0.001)
+        copies.append(copier.start("ring", True, ids, ids, "direct", far))
+        for c in copies:
+            assert c.wait(time.monotonic() + 60)
+            assert c.finish().nbytes == 2 << 30
+    finally:
+        assert copier.retire("ring", timeout_s=60)
+    assert copier.pending("ring") == 0
