@@ -28,14 +28,36 @@ def address_file(engine_id: str, temp_dir: str | os.PathLike | None = None) -> p
     return pathlib.Path(temp_dir or tempfile.gettempdir()) / f"pegaflow-embedded-{engine_id}.addr"
 
 
+def metrics_address_file(engine_id: str, temp_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """Where rank 0 publishes the embedded server's /metrics address, when it serves one (a
+    benchmark reading the pool's pre-fault time from a port it did not pick). Written before the
+    gRPC address: once that one is there, so is this one."""
+    return address_file(engine_id, temp_dir).with_suffix(".metrics")
+
+
 def published_address(engine_id: str, temp_dir: str | os.PathLike | None = None) -> str | None:
     """The embedded server's address once rank 0 has started it, else None (``temp_dir``: as for
     ``address_file``)."""
+    return _read(address_file(engine_id, temp_dir))
+
+
+def published_metrics_address(engine_id: str, temp_dir: str | os.PathLike | None = None) -> str | None:
+    """The embedded server's /metrics address once rank 0 has started it with one, else None."""
+    return _read(metrics_address_file(engine_id, temp_dir))
+
+
+def _read(path: pathlib.Path) -> str | None:
     try:
-        text = address_file(engine_id, temp_dir).read_text().strip()
+        text = path.read_text().strip()
     except OSError:
         return None
     return text or None
+
+
+def _publish(path: pathlib.Path, text: str) -> None:
+    tmp = path.with_suffix(f"{path.suffix}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)  # readers never see a half-written address
 
 
 class EmbeddedServer:
@@ -51,9 +73,10 @@ class EmbeddedServer:
         self.server = start_server(
             ServerConfig(pool_size_bytes=pool_size_bytes, addr=addr, http_addr=http_addr)
         )
-        tmp = self._file.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(self.server.address)
-        tmp.replace(self._file)  # readers never see a half-written address
+        self._metrics_file = metrics_address_file(engine_id)
+        if self.server.http_address:
+            _publish(self._metrics_file, self.server.http_address)
+        _publish(self._file, self.server.address)
         log.info(
             "pegaflow: embedded server for engine %s at %s (pool %.1f GiB%s)",
             engine_id,
@@ -67,8 +90,9 @@ class EmbeddedServer:
         return self.server.address
 
     def stop(self) -> None:
-        try:
-            self._file.unlink()
-        except OSError:
-            pass
+        for path in (self._file, self._metrics_file):
+            try:
+                path.unlink()
+            except OSError:
+                pass
         self.server.stop()

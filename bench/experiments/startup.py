@@ -29,20 +29,25 @@ seed's 500 GiB: the limit on this machine is how much memory it has, not the mec
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 import statistics
 import sys
 import time
 import urllib.request
+import uuid
+from collections.abc import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from pegaflow.bench.experiments import common
 from pegaflow.bench.experiments.common import GIB, MIB, say
 from pegaflow.bench.harness import connector_config, loadgen, models, plots, results
-from pegaflow.bench.harness.pegaflow_proc import PegaflowServerProcess, free_local_addr
+from pegaflow.bench.harness.pegaflow_proc import PegaflowServerProcess
 from pegaflow.bench.harness.procs import mem_available_bytes
 from pegaflow.bench.harness.vllm_fleet import CpuPlacement, VllmConfig, VllmFleet
+from pegaflow.connector.embedded import published_metrics_address
+from pegaflow.tools.vllm_cpu.launcher import VllmServer
 
 MODES = ("server", "embedded")
 # PSS of one tiny-model vLLM tree with a 256 MiB KV cache is ~1.7 GiB (recipes/vllm-cpu.md); the
@@ -93,16 +98,45 @@ def check_memory(setup: Setup) -> dict:
 
 
 def time_vllm(
-    config: VllmConfig, run_dir: pathlib.Path, timeout_s: float, pool_metrics: str | None = None
+    config: VllmConfig,
+    run_dir: pathlib.Path,
+    timeout_s: float,
+    pool_metrics: Callable[[VllmServer], str] | None = None,
 ) -> dict:
     """One cold start of one vLLM: seconds to ready, memory at ready, one completion as proof, and
-    (embedded mode, `pool_metrics` = its /metrics address) how long the worker's pool pre-fault took."""
+    (embedded mode, `pool_metrics(vllm)` = its /metrics address once ready) how long the worker's
+    pool pre-fault took."""
     with VllmFleet([config], run_dir) as fleet:
         (ready_s,) = fleet.start(timeout_s)
+        metrics_addr = pool_metrics(fleet.servers[0]) if pool_metrics else None
         memory = fleet.memory()[0]
-        prefault_s = embedded_prefault_s(pool_metrics) if pool_metrics else None
+        prefault_s = embedded_prefault_s(metrics_addr) if metrics_addr else None
         loadgen.run_warmup(fleet.endpoints, config.served_model_name)
     return {"ready_s": ready_s, "memory_at_ready": memory, "pool_prefault_s": prefault_s}
+
+
+def embedded_metrics_address(engine_id: str, vllm: VllmServer) -> str:
+    """The /metrics address the instance's embedded server published in the engine's temp dir (the
+    launcher's TMPDIR, workdir/tmp). Its ports are 0: one picked beforehand could be taken by
+    another process before the worker binds it, and the worker would then serve without the cache,
+    a start that leaves out the pool's pre-fault and looks like an embedded one. RuntimeError naming
+    the log when there is none."""
+    addr = published_metrics_address(engine_id, vllm.workdir / "tmp")
+    if addr is None:
+        raise RuntimeError(
+            f"the embedded server of {vllm.workdir} published no metrics address: vLLM ran without the "
+            f"cache, so its start would leave out the pool's pre-fault; see {vllm.log_path}"
+        )
+    return addr
+
+
+def time_embedded_vllm(base: VllmConfig, size: int, run_dir: pathlib.Path, timeout_s: float) -> dict:
+    """One cold start of vLLM with an embedded pool of `size` bytes (time_vllm's numbers), its
+    server's gRPC and metrics ports bound at 0 and read where it published them."""
+    engine_id = f"pegaflow-startup-{uuid.uuid4().hex[:12]}"
+    kv = connector_config.embedded_pool(size, metrics_addr="127.0.0.1:0", engine_id=engine_id)
+    config = dataclasses.replace(base, kv_transfer_config=kv)
+    return time_vllm(config, run_dir, timeout_s, functools.partial(embedded_metrics_address, engine_id))
 
 
 def embedded_prefault_s(metrics_addr: str) -> float | None:
@@ -142,11 +176,8 @@ def embedded_runs(setup: Setup, base: VllmConfig, size: int, workdir: pathlib.Pa
     gib = size / GIB
     runs = []
     for r in range(setup.runs):
-        metrics_addr = free_local_addr()
-        kv = connector_config.embedded_pool(size, metrics_addr=metrics_addr)
-        embedded = dataclasses.replace(base, kv_transfer_config=kv)
         runs.append(
-            time_vllm(embedded, workdir / f"embedded-{gib:.0f}g-{r}", setup.ready_timeout_s, metrics_addr)
+            time_embedded_vllm(base, size, workdir / f"embedded-{gib:.0f}g-{r}", setup.ready_timeout_s)
         )
         say(
             f"P={gib:.0f} GiB embedded run {r}: vLLM ready in {runs[-1]['ready_s']:.1f} s "

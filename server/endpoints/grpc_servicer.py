@@ -411,8 +411,8 @@ class EngineServicer(pb_grpc.EngineServicer):
         names = self._metrics.model_names if self._metrics is not None else SHOWN
         resp = stats_response(self._engine.stats(deadline=deadline), names)
         if self._metrics is not None:
-            # The sketches may be seconds behind on a busy host: wait for them only while the answer
-            # can still arrive in time (without the ceiling if they are late).
+            # The sketches may be seconds behind on a busy host: never wait for them past the time the
+            # answer needs (sketch_process.py waits briefly when a recent snapshot can stand in).
             measured, ceiling = self._metrics.window_rates(_leaving_time_to_answer(deadline))
             for name, value in measured.items():
                 if value is not None:

@@ -28,7 +28,7 @@ from pegaflow.server.metrics.foreground import ForegroundActivity
 from pegaflow.server.metrics.lookup_insights import LookupInsights
 from pegaflow.server.metrics.lookup_sketches import LookupRecord, LookupSketches, SketchSnapshot
 from pegaflow.server.metrics.model_names import SHOWN, ModelNames
-from pegaflow.server.metrics.sketch_process import SketchProcess
+from pegaflow.server.metrics.sketch_process import AgedSnapshot, SketchProcess
 from pegaflow.server.metrics.windowed_rate import WindowedHitRate
 from pegaflow.server.store.stats import TENANT_METRICS, TIER_METRICS, metric_fields
 
@@ -57,7 +57,9 @@ SKETCH_MODES = ("process", "thread")
 DEADLINE_FEED_SLICE_KEYS = 2048
 FLUSH_BUDGET_S = 0.1
 # A scrape's wait for the lookup sketches (their process may be seconds behind on a busy host): the
-# engine's families take up to 2 s of Prometheus' default 10 s scrape timeout, the windows this much.
+# engine's families take up to 2 s of Prometheus' default 10 s scrape timeout, the windows and the
+# miss-ratio families this much each (sketch_process.py waits 0.5 s when a recent snapshot can
+# stand in: this is for a child with none yet).
 SCRAPE_WINDOWS_BUDGET_S = 3.0
 # With the sketches in their own process a slice costs the feeder a frame's packing per lookup, not
 # the sketches' per-key work: slices are that much longer (one frame, one write each).
@@ -140,7 +142,7 @@ class ServerMetrics(EngineObserver):
                 self.sketches = SketchProcess(self.windows, capacity)
             else:
                 self.sketches = LookupSketches(self.windows, capacity)
-        self.insights.bind(engine.namespace_at, self.sketch_snapshot)
+        self.insights.bind(engine.namespace_at, self._scrape_sketch_snapshot)
         if not self._feeder.is_alive():
             self._feeder.start()
 
@@ -206,7 +208,8 @@ class ServerMetrics(EngineObserver):
         """The measured hit rate per window and the sketches' snapshot, both after every pending
         lookup was fed: one snapshot for all a scrape's window families. ``deadline``
         (``time.monotonic``): the caller's; no wait for the sketches goes past it (the snapshot is
-        then None, and pending lookups the sketches could not take in time are dropped and counted).
+        then a recent earlier one, sketch_process.py, or None, and pending lookups the sketches could
+        not take in time are dropped and counted).
         With a deadline, the pending lookups are fed for FLUSH_BUDGET_S at most (the feeder thread
         feeds the rest): a caller waits for its answer, not for the feeder's backlog."""
         if deadline is not None:
@@ -219,10 +222,17 @@ class ServerMetrics(EngineObserver):
         return measured, self.sketch_snapshot(flush=False, deadline=deadline)
 
     def sketch_snapshot(self, flush: bool = True, deadline: float | None = None) -> SketchSnapshot | None:
-        """The lookup sketches now (every lookup fed so far counted), None while unavailable."""
+        """The lookup sketches now (every lookup fed so far counted), None while unavailable; with a
+        ``deadline``, perhaps a recent earlier one (sketch_process.py)."""
         if flush:
             self.flush(deadline=deadline)
         return self.sketches.snapshot(deadline) if self.sketches is not None else None
+
+    def _scrape_sketch_snapshot(self) -> SketchSnapshot | None:
+        """The miss-ratio families' snapshot, on a scrape's terms: without a deadline a scrape
+        waited for a child that was behind as long as it made progress, and one stopped for
+        ``io_timeout_s`` was killed as stalled."""
+        return self.window_state(time.monotonic() + SCRAPE_WINDOWS_BUDGET_S)[1]
 
     def flush(self, max_rounds: int = 4, deadline: float | None = None) -> None:
         """Feeds pending lookups now, so a scrape sees up-to-date windows; bounded, so a scrape
@@ -395,3 +405,11 @@ class _EngineCollector:
             )
             c.add_metric([], sketches.restarts)
             yield c
+            if isinstance(snap, AgedSnapshot):
+                yield GaugeMetricFamily(
+                    "pegaflow_lookup_sketch_snapshot_age_seconds",
+                    "Age of the sketches' snapshot behind this scrape's ceiling: seconds since it was asked "
+                    "for (it counts the lookups fed before); more than a fraction of a second when their "
+                    "process was behind and its last snapshot stood in",
+                    value=snap.age_s,
+                )

@@ -32,15 +32,27 @@ the lookups waiting meanwhile queue in ServerMetrics' bounded deque, whose overf
 Failure is contained: a child that dies, takes in nothing for ``io_timeout_s`` or answers garbage is
 killed and started again (at most once per ``restart_backoff_s``; its windows start empty,
 ``restarts`` counts it); lookups that cannot be handed over meanwhile are dropped and counted, and a
-snapshot that cannot be had is None (the collectors then export no sketch series). The engine never
-waits on it: only the feeder thread and scrapes touch the socket. The child exits when the socket
-closes, and on the parent's death (PR_SET_PDEATHSIG).
+snapshot that cannot be had is, for a caller with a deadline, a recent one (below), else None (the
+collectors then export no sketch series). The engine never waits on it: only the feeder thread
+and scrapes touch the socket. The child exits when the socket closes, and on the parent's death
+(PR_SET_PDEATHSIG).
 
-A snapshot asked for with a ``deadline`` (GetStats, a scrape) is None once the deadline passes,
-whatever the child is doing: a healthy child that is behind (seconds of backlog at nice +10 on a
-busy host) is waited for up to ``start_timeout_s``, longer than any caller's deadline (CI saw a
-10 s GetStats time out). The child is not blamed for the caller's hurry: its answer, owed to a
-snapshot that stopped waiting, is read and dropped before the next snapshot asks again.
+A snapshot asked for with a ``deadline`` (GetStats, a scrape) waits for a fresh answer only
+``FRESH_WAIT_S`` (never past the deadline) while the last snapshot the child delivered can stand
+in for it (asked for at most ``MAX_STAND_IN_AGE_S`` ago), then answers with that one, marked with
+its age (``AgedSnapshot.age_s``, exported as ``pegaflow_lookup_sketch_snapshot_age_seconds``). A
+healthy child that is behind (seconds of backlog at nice +10 on a busy host; CI saw a 10 s GetStats
+time out when the server waited for it) thus costs a caller half a second and the newest numbers,
+not its deadline and the ceiling. With nothing to stand in (no snapshot yet: a child still
+starting; or only an old one) the fresh one is waited for until the deadline, then None: an early
+answer would have nothing to say. The child is not blamed for the caller's hurry: the answer it
+still owes is read before the next snapshot asks again (no second ask while one is owed), and
+becomes the last snapshot, since it counts more than the one before it. Answers come in the order
+they were asked for, so each is paired with its own ask (``_owed``, the ask times, oldest first),
+and its age is counted from that ask: it counts every lookup fed before it, and an answer read long
+after it was written is not taken for a fresh one. Without a deadline (tests, callers that need
+every record counted) a snapshot waits as long as the child makes progress, as before, and is
+fresh or None.
 """
 
 from __future__ import annotations
@@ -48,6 +60,7 @@ from __future__ import annotations
 import argparse
 import collections
 import ctypes
+import dataclasses
 import fcntl
 import json
 import logging
@@ -81,6 +94,20 @@ SEND_BUFFER_BYTES = 4 << 20
 # second of a busy server's, and what a ready child eats in well under io_timeout_s, so handing the
 # backlog over never looks like a stall.
 BACKLOG_BYTES = 1 << 20
+# How long a caller with a deadline (GetStats, a scrape) waits for a fresh snapshot while an earlier
+# one can stand in. A child that keeps up answers in milliseconds (its snapshot comes after the
+# frames queued before the ask: ~3.4 us a key, a few ms of JSON); at nice +10 beside a busy process
+# on each core it gets about a tenth of a core, so tens of milliseconds, still well inside this. A
+# child that misses it is seconds behind, and waiting longer buys a slower answer, not a fresher
+# one. Half a second leaves a 2 s GetStats client most of its time, and a scrape's two asks (the
+# windows, the miss-ratio families) far inside Prometheus' default 10 s timeout.
+FRESH_WAIT_S = 0.5
+# The oldest snapshot (counted from its ask) that stands in for a fresh one. Within it, what the
+# stand-in misses is at most this much of the lookups: 3 % of the shortest window (15 m) once it is
+# full. An older one may describe another phase of the load (a benchmark's GetStats before an arm of
+# minutes, then after it), and a GetStats caller cannot see the age (the response has no field for
+# it): without a stand-in the fresh snapshot is waited for until the deadline, as a first one is.
+MAX_STAND_IN_AGE_S = 30.0
 
 
 def encode_records(records: Sequence[LookupRecord]) -> bytes:
@@ -123,6 +150,14 @@ def decode_records(body: memoryview) -> list[LookupRecord]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class AgedSnapshot(SketchSnapshot):
+    """A snapshot of the child's, with ``age_s``: seconds since it was asked for (it counts every
+    lookup fed before then). Milliseconds for a fresh one; more for the last one standing in."""
+
+    age_s: float = 0.0
+
+
 class SketchProcess:
     """LookupSketches' interface (add, snapshot, close), computed in a child process."""
 
@@ -135,12 +170,16 @@ class SketchProcess:
         io_timeout_s: float = IO_TIMEOUT_S,
         restart_backoff_s: float = RESTART_BACKOFF_S,
         start_timeout_s: float = START_TIMEOUT_S,
+        fresh_wait_s: float = FRESH_WAIT_S,
+        max_stand_in_age_s: float = MAX_STAND_IN_AGE_S,
     ):
         self.windows = dict(windows)
         self._config = {"windows": self.windows, "capacity_bytes": capacity_bytes, "mrc": mrc_options or {}}
         self.io_timeout_s = io_timeout_s
         self.restart_backoff_s = restart_backoff_s
         self.start_timeout_s = start_timeout_s
+        self.fresh_wait_s = fresh_wait_s
+        self.max_stand_in_age_s = max_stand_in_age_s
         self.restarts = 0
         self.dropped_records = 0
         self._lock = threading.Lock()  # the socket: one frame (or one request + answer) at a time
@@ -153,7 +192,13 @@ class SketchProcess:
         self._backlog: collections.deque[tuple[bytes, int]] = collections.deque()
         self._backlog_bytes = 0
         self._closed = False
-        self._owed = 0  # snapshot answers the child still owes to callers that stopped waiting
+        # When each snapshot the child still owes was asked for, oldest first (answers come in this
+        # order): asks whose callers stopped waiting, read by the next snapshot before it asks.
+        self._owed: collections.deque[float] = collections.deque()
+        # (the newest snapshot read, when it was asked for): replaced whole under the lock, read
+        # without it (a caller the feeder keeps from the lock still answers with it). Kept across a
+        # restart: a dead child's numbers, with their age, say more than none.
+        self._last: tuple[AgedSnapshot, float] | None = None
         self._send_room = 0
         self._start_locked()
 
@@ -190,7 +235,7 @@ class SketchProcess:
         self._send_room = parent.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
         self._sock = parent
         self._ready = False
-        self._owed = 0
+        self._owed.clear()  # a new stream: the old child's answers are gone
         self._started_at = time.monotonic()
         self._next_start = self._started_at + self.restart_backoff_s
 
@@ -198,6 +243,7 @@ class SketchProcess:
         log.warning("lookup sketches' process %s: %s; starting another", self.pid, why)
         self.dropped_records += sum(n for _, n in self._backlog)
         self._backlog, self._backlog_bytes, self._ready = collections.deque(), 0, False
+        self._owed.clear()
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -326,11 +372,44 @@ class SketchProcess:
         finally:
             self._lock.release()
 
-    def snapshot(self, deadline: float | None = None) -> SketchSnapshot | None:
-        """The sketches now (every record fed before counted); None while there is no ready child,
-        or once ``deadline`` (``time.monotonic``) passes: the socket's lock, the child's start and
-        its answer are each waited for only until then."""
-        if not acquire_by(self._lock, deadline):
+    def snapshot(self, deadline: float | None = None) -> AgedSnapshot | None:
+        """The sketches now (every record fed before counted). With a ``deadline``
+        (``time.monotonic``): while the last snapshot read is at most ``max_stand_in_age_s`` old, a
+        fresh one is waited for ``fresh_wait_s`` at most (the socket's lock, the child's start and
+        its answer), then that last one stands in, with its age; without such a one, the fresh one is
+        waited for until the deadline, then None. Never past the deadline. Without a deadline, only a
+        fresh snapshot, or None while there is no ready child or it fails."""
+        called_at = time.monotonic()
+        fresh = self._fresh_snapshot(deadline, called_at)
+        if fresh is not None or deadline is None:
+            return fresh
+        return self._stand_in(called_at)
+
+    def last_snapshot(self) -> AgedSnapshot | None:
+        """The newest snapshot read from a child, aged to now; None if none ever was."""
+        last = self._last  # one read: a consistent pair, lock or not
+        if last is None:
+            return None
+        snap, asked_at = last
+        return dataclasses.replace(snap, age_s=max(0.0, time.monotonic() - asked_at))
+
+    def _stand_in(self, called_at: float) -> AgedSnapshot | None:
+        """The last snapshot if it may stand in for a fresh one asked for at ``called_at`` (its age
+        judged then: one that was good enough when the wait began still is at its end)."""
+        last = self._last
+        if last is None or called_at - last[1] > self.max_stand_in_age_s:
+            return None
+        return self.last_snapshot()
+
+    def _wait_until(self, deadline: float | None, called_at: float) -> float | None:
+        """Until when a fresh snapshot is waited for: briefly while a stand-in is at hand."""
+        if deadline is None or self._stand_in(called_at) is None:
+            return deadline
+        return min(deadline, called_at + self.fresh_wait_s)
+
+    def _fresh_snapshot(self, deadline: float | None, called_at: float) -> AgedSnapshot | None:
+        wait_until = self._wait_until(deadline, called_at)
+        if not acquire_by(self._lock, wait_until):
             return None  # the feeder is handing a frame to a child that is behind
         try:
             if not self._ready_locked():
@@ -338,31 +417,40 @@ class SketchProcess:
             try:
                 wait = (
                     self.io_timeout_s
-                    if deadline is None
-                    else min(self.io_timeout_s, deadline - time.monotonic())
+                    if wait_until is None
+                    else min(self.io_timeout_s, wait_until - time.monotonic())
                 )
                 if not self._await_ready_locked(max(wait, 0.0)):
-                    return None  # still starting: no sketch series this scrape
-                while self._owed:  # answers to snapshots that stopped waiting: stale, dropped
-                    if self._read_answer_locked(deadline) is None:
-                        return None
-                    self._owed -= 1
+                    return None  # still starting
+                while self._owed:  # answers to asks that stopped waiting: older than the next one
+                    if not self._take_answer_locked(wait_until):
+                        return None  # still behind: no second ask while one is owed
+                wait_until = self._wait_until(deadline, called_at)  # what was just read may stand in
                 if deadline is not None and self._unread_bytes() >= self._send_room:
                     return None  # the socket is full: the send would wait for a child that is behind
+                asked_at = time.monotonic()
                 frames.send_all(
                     self._sock, frames.encode_frame(bytes((SNAPSHOT,))), time.monotonic() + self.io_timeout_s
                 )
-                self._owed += 1
-                body = self._read_answer_locked(deadline)
-                if body is None:
+                self._owed.append(asked_at)
+                if not self._take_answer_locked(wait_until):
                     return None  # the child is behind, not stalled: its answer is read next time
-                self._owed -= 1
-                return SketchSnapshot.from_json(json.loads(body))
+                return self.last_snapshot()
             except (OSError, ValueError, KeyError, TypeError) as exc:  # FrameError is a ValueError
                 self._fail_locked(f"no snapshot ({exc!r})")
                 return None
         finally:
             self._lock.release()
+
+    def _take_answer_locked(self, deadline: float | None) -> bool:
+        """Reads the answer to the oldest owed ask into ``_last``; False if ``deadline`` passed first
+        (still owed). Raises as _read_answer_locked, or on an answer that is not a snapshot."""
+        body = self._read_answer_locked(deadline)
+        if body is None:
+            return False
+        asked_at = self._owed.popleft()
+        self._last = (AgedSnapshot.from_json(json.loads(body)), asked_at)
+        return True
 
     def close(self) -> None:
         with self._lock:

@@ -6,10 +6,12 @@ from __future__ import annotations
 import os
 import signal
 import struct
+import threading
 import time
 
 import pytest
 
+from pegaflow.common.wire import frames
 from pegaflow.server.metrics import sketch_process
 from pegaflow.server.metrics.lookup_sketches import LookupRecord, LookupSketches
 from pegaflow.server.metrics.sketch_process import SketchProcess, decode_records, encode_records
@@ -219,17 +221,136 @@ def test_a_snapshot_with_a_deadline_gives_up_in_time_and_keeps_a_child_that_is_b
     try:
         proc.add(records(1))
         started = time.monotonic()
-        assert proc.snapshot(deadline=started + 0.3) is None
+        assert proc.snapshot(deadline=started + 0.3).requests == 32  # the last one stands in
         assert time.monotonic() - started < 1.5  # not the io timeout (2 s); slack for a loaded CI host
         started = time.monotonic()
-        assert proc.snapshot(deadline=started + 0.3) is None  # its answer still owed: no second ask
+        assert proc.snapshot(deadline=started + 0.3).requests == 32  # its answer still owed: no second ask
         assert time.monotonic() - started < 1.5
+        assert len(proc._owed) == 1
     finally:
         os.kill(behind, signal.SIGCONT)
     proc.add(records(2))
-    # The owed (stale) answers are dropped: this one counts every record fed before it.
+    # The owed answer is read first: this one counts every record fed before it.
     assert proc.snapshot().requests == 4 * 32
     assert proc.pid == behind and proc.restarts == 0
+
+
+@pytest.fixture
+def patient():
+    """A process whose io timeout is far past the deadlines below: a stopped child is behind, never
+    taken for a stalled one (so a deadline, not the stall timeout, is what a snapshot waits for)."""
+    p = SketchProcess(WINDOWS, CAPACITY, restart_backoff_s=0.0, io_timeout_s=30.0)
+    assert p.wait_ready(), "the sketches' process did not start"
+    yield p
+    p.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_snapshot_asked_while_the_child_is_behind_is_the_last_one_after_the_short_wait(patient):
+    patient.add(records(1))
+    assert patient.snapshot().requests == 32
+    behind = patient.pid
+    os.kill(behind, signal.SIGSTOP)
+    try:
+        patient.add(records(1))
+        started = time.monotonic()
+        snap = patient.snapshot(deadline=started + 10.0)
+        took = time.monotonic() - started
+        assert snap is not None and snap.requests == 32  # the last one, not None
+        assert took < sketch_process.FRESH_WAIT_S + 1.0  # not the 10 s deadline
+        assert snap.age_s >= sketch_process.FRESH_WAIT_S  # aged from its own ask, before this call began
+    finally:
+        os.kill(behind, signal.SIGCONT)
+    assert patient.pid == behind and patient.restarts == 0
+
+
+@pytest.mark.timeout(60)
+def test_with_no_snapshot_to_stand_in_one_is_waited_for_until_the_deadline_then_none(patient):
+    behind = patient.pid
+    os.kill(behind, signal.SIGSTOP)
+    try:
+        patient.add(records(1))
+        started = time.monotonic()
+        assert patient.snapshot(deadline=started + 2.0) is None
+        took = time.monotonic() - started
+        assert 2.0 <= took < 2.0 + 1.0  # the whole deadline: nothing to answer with sooner; not past it
+        # A child that catches up before the deadline is worth the wait: its answer (owed since the
+        # first ask: no second one) is this one's.
+        threading.Timer(1.0, os.kill, (behind, signal.SIGCONT)).start()
+        started = time.monotonic()
+        snap = patient.snapshot(deadline=started + 10.0)
+        assert snap is not None and snap.requests == 32
+        assert 1.0 <= time.monotonic() - started < 10.0
+    finally:
+        os.kill(behind, signal.SIGCONT)
+    assert patient.pid == behind and patient.restarts == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_snapshot_older_than_the_stand_in_age_does_not_stand_in():
+    p = SketchProcess(WINDOWS, CAPACITY, restart_backoff_s=0.0, io_timeout_s=30.0, max_stand_in_age_s=1.0)
+    try:
+        assert p.wait_ready()
+        p.add(records(1))
+        assert p.snapshot().requests == 32
+        time.sleep(1.2)
+        behind = p.pid
+        os.kill(behind, signal.SIGSTOP)
+        try:
+            p.add(records(1))
+            started = time.monotonic()
+            assert p.snapshot(deadline=started + 2.0) is None  # waited for, until the deadline
+            assert time.monotonic() - started >= 2.0
+            assert p.last_snapshot().requests == 32  # kept, only too old to stand in
+        finally:
+            os.kill(behind, signal.SIGCONT)
+        assert p.snapshot().requests == 64 and p.restarts == 0
+    finally:
+        p.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_late_answer_becomes_the_last_snapshot_aged_from_its_own_ask_never_a_later_one(patient):
+    patient.add(records(1))
+    assert patient.snapshot().requests == 32
+    child = patient.pid
+    os.kill(child, signal.SIGSTOP)
+    try:
+        patient.add(records(1))  # 64 fed
+        assert patient.snapshot(deadline=time.monotonic() + 10.0).requests == 32  # ask A owed
+        asked_by = time.monotonic()  # A was asked before this
+        patient.add(records(1))  # 96 fed, after A's ask
+        os.kill(child, signal.SIGCONT)
+        assert frames.readable(patient._sock, 10.0)  # A's answer written, not yet read
+        os.kill(child, signal.SIGSTOP)
+        time.sleep(1.0)  # an answer that waits unread: its age must show it
+        started = time.monotonic()
+        late = patient.snapshot(deadline=started + 10.0)  # reads A's answer, asks B, B is owed
+        # A's answer: what was fed before A's ask (not the 96 fed before B's), aged from A's ask,
+        # not from when it was read.
+        assert late.requests == 64
+        assert late.age_s >= started + sketch_process.FRESH_WAIT_S - asked_by
+        assert len(patient._owed) == 1
+        patient.add(records(1))  # 128 fed, after B's ask
+        assert patient.snapshot(deadline=time.monotonic() + 10.0).requests == 64  # B still owed
+        assert len(patient._owed) == 1  # no second ask while one is owed
+    finally:
+        os.kill(child, signal.SIGCONT)
+    fresh = patient.snapshot()  # B's answer (96) is read first, then its own: 128
+    assert fresh.requests == 128 and fresh.age_s < 10.0
+    assert patient.last_snapshot().requests == 128
+    assert patient.pid == child and patient.restarts == 0
+
+
+@pytest.mark.timeout(30)
+def test_a_snapshot_the_feeder_keeps_from_the_socket_is_the_last_one_after_the_short_wait(proc):
+    proc.add(records(1))
+    assert proc.snapshot().requests == 32
+    with held_elsewhere(proc._lock, 5.0):  # the feeder handing a frame to a child that is behind
+        started = time.monotonic()
+        assert proc.snapshot(deadline=started + 4.0).requests == 32
+        assert time.monotonic() - started < sketch_process.FRESH_WAIT_S + 1.0  # not the 4 s deadline
+    assert proc.snapshot().requests == 32 and proc.restarts == 0
 
 
 @pytest.mark.timeout(30)
