@@ -20,19 +20,24 @@ completions take it briefly). The policy has its own lock, entered only after
 the engine lock. Frequency signals and metrics observations are issued after
 the engine lock is released. Each public method takes an optional
 ``deadline`` (time.monotonic() value) and raises DeadlineExceeded rather than
-finishing late.
+finishing late, waiting for nothing (the lock included) past it. What must not
+be lost when it passes with the lock busy (a session's close, freeing a grant
+that is not handed out) is handed to the reaper, which does it once the lock is
+free (_hand_to_reaper).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import secrets
 import select
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -261,6 +266,9 @@ class KVEngine:
         self._namespaces_unsaved = False  # the last write failed (a full disk): the reaper retries
         self._session_listeners: list[Callable[[str], None]] = []
         self._ended_sessions: list[str] = []  # ended under the lock, announced after it
+        # What a call could not finish by its deadline (the lock was busy) and must not be lost: run
+        # under the lock by the reaper's next pass (_hand_to_reaper). deque: appended without a lock.
+        self._handed_over: deque[Callable[[], None]] = deque()
         self._closed = False
         self.recovery_seconds = 0.0
         self.dram_recovery_seconds = 0.0
@@ -279,6 +287,7 @@ class KVEngine:
             self._close_parts()
             raise
         self._stop = threading.Event()
+        self._reap_wanted = threading.Event()  # work was handed to the reaper: its pass now, not next tick
         self._reaper = threading.Thread(target=self._reap_loop, name="pegaflow-reaper", daemon=True)
         self._reaper.start()
         self._reserve_wanted = threading.Event()
@@ -315,6 +324,7 @@ class KVEngine:
             self._changed.notify_all()
         self._stop.set()
         self._reserve_wanted.set()
+        self._reap_wanted.set()
         for thread in (self._reaper, self._reserver, self._lane_thread):
             if thread is not None and thread.is_alive() and thread is not threading.current_thread():
                 thread.join(timeout=5)
@@ -337,8 +347,9 @@ class KVEngine:
 
     def add_session_listener(self, callback: Callable[[str], None]) -> None:
         """``callback(session_id)`` runs after a session ended for any reason (closed, its pool connection
-        dropped, heartbeat timeout), outside the engine lock, on the thread that ended it. For state kept
-        per session outside the engine (e.g. a GPU data path's CUDA IPC mappings)."""
+        dropped, heartbeat timeout), outside the engine lock, once, on the thread that ended it (a
+        CloseSession handler among them: it must return at once, handing slow work to a thread of its
+        own). For state kept per session outside the engine (e.g. a GPU data path's CUDA IPC mappings)."""
         self._session_listeners.append(callback)
 
     def pool_view(self) -> np.ndarray:
@@ -459,10 +470,38 @@ class KVEngine:
         return self.epoch
 
     def close_session(self, session_id: str, deadline: float | None = None) -> None:
-        with self._locked(deadline):
-            self._end_session(self._live(session_id), "closed by client")
+        """Ends the session: its leases released, its unsealed blocks freed, its instances dropped,
+        and the session listeners (the GPU data path, the fd broker) told before this returns.
+
+        The engine lock is waited for until ``deadline`` only, once. When it is not free by then the
+        close is not lost: it is handed to the reaper, which ends the session (unless it ended
+        otherwise first) and tells the listeners on its next pass, as soon as the lock is free, and
+        DeadlineExceeded is raised. What a client can rely on: once this is called (a CloseSession
+        that arrived past its deadline is refused before it), whether it returns, raises NotFound
+        (already ended) or DeadlineExceeded (ending shortly), the session ends, exactly once, unless
+        the engine closes first; a retry is safe (it ends the session itself, or finds it gone)."""
+        locked = False
+        try:
+            with self._locked(deadline):
+                locked = True
+                self._end_session(self._live(session_id), "closed by client")
+                self.counters.sessions_closed += 1
+                ended = self._take_ended_sessions()
+        except DeadlineExceeded:
+            if not locked:
+                self._hand_to_reaper(functools.partial(self._close_late, session_id))
+            raise
+        self._announce(ended)
+
+    def _close_late(self, session_id: str) -> None:
+        """Under the lock (the reaper): a close whose CloseSession could not take the lock by its
+        deadline. A session that ended meanwhile (its client's retry, its pool connection) is left."""
+        session = self._registry.sessions.get(session_id)
+        if session is not None:
+            self._end_session(
+                session, "closed by client (by the reaper: the lock was busy until its deadline)"
+            )
             self.counters.sessions_closed += 1
-        self._announce_ended_sessions()
 
     def attach_session(self, session_id: str) -> dict:
         """A pool-fd connection of this session opened (fd broker). Returns the broker's header."""
@@ -488,7 +527,8 @@ class KVEngine:
             if session.attachments <= 0:
                 self._end_session(session, "pool connection closed")
                 self.counters.sessions_disconnected += 1
-        self._announce_ended_sessions()
+            ended = self._take_ended_sessions()
+        self._announce(ended)
 
     # ------------------------------------------------------------- instances
 
@@ -787,6 +827,15 @@ class KVEngine:
         could not write (the server's own GPU copy, whose layout covers the whole block), so the
         memset is skipped; an aborted slot is then zeroed for whoever gets it next (BlockStore.abort).
         Only server code can ask for it: no RPC carries it.
+
+        The zeroing runs off the lock and stops at ``deadline``; the save is this call's meanwhile
+        (no seal; an abort or its session's end leaves the freeing to this call). Then the lock is
+        taken again, by the deadline: if a slot was left unzeroed, the save was given up, or the lock
+        is busy past the deadline, nothing is granted: every slot of the call is freed (by the
+        reaper when the lock is busy), an unzeroed one marked foreign to every namespace so that its
+        next grant zeroes it, and DeadlineExceeded (NotFound when its session ended) is raised. No
+        partial grant: an answer at the deadline arrives too late to be used (the servicer undoes a
+        late one too), and NO_SPACE would read as a full pool (metrics, the connector's dedup count).
         """
         self._check_hashes(hashes)
         with self._locked(deadline):
@@ -827,6 +876,7 @@ class KVEngine:
             )
             local_offsets = [offset - part.base for offset in offsets]
             stale, save.stale_slots = save.stale_slots, []
+            save.zeroing = bool(stale)  # granted only once they are zeroed (_finish_zeroing)
             session.unsealed_bytes += len(offsets) * block_bytes
             if AllocStatus.REJECTED in statuses:
                 self._count_quota_refusal(session)
@@ -838,15 +888,83 @@ class KVEngine:
                 # Nothing to write, so no seal will restate the chain: restate it now.
                 self._store.refresh_chain(ns_index, save.chain)
             wake_reserve = self._reserver is not None and self._store.reserve_low()
-        if stale:
-            # Off the lock: the slots are this save's (WRITING), nobody else reads or writes them.
-            self.dram.zero([(offset, block_bytes) for offset in stale])
-        # After the zeroing: its evictions are not to compete with this call's own work. Set only when
-        # clear (Event.set takes a lock and notifies even when set): the reserve thread clears it
-        # before each refill, so a set seen here is one whose refill is still to come.
-        if wake_reserve and not self._reserve_wanted.is_set():
-            self._reserve_wanted.set()
+        try:
+            if stale:
+                # Off the lock: the slots are this save's (WRITING), nobody else reads or writes them,
+                # and the save is this call's until _finish_zeroing (save.zeroing), which runs even if
+                # the memset failed (what it did not report zeroed is freed as unzeroed).
+                zeroed = 0
+                try:
+                    zeroed = self.dram.zero([(offset, block_bytes) for offset in stale], deadline)
+                finally:
+                    self._finish_zeroing(save, stale[zeroed:], deadline)
+        finally:
+            # After the zeroing: its evictions are not to compete with this call's own work. Set only
+            # when clear (Event.set takes a lock and notifies even when set): the reserve thread clears
+            # it before each refill, so a set seen here is one whose refill is still to come.
+            if wake_reserve and not self._reserve_wanted.is_set():
+                self._reserve_wanted.set()
         return AllocateResult(save_id, statuses, local_offsets, block_bytes, self.epoch)
+
+    def _finish_zeroing(self, save: Save, unzeroed: Sequence[int], deadline: float | None) -> None:
+        """allocate_blocks, after zeroing the save's stale slots off the lock (``unzeroed``: those the
+        deadline left): the save becomes its client's (sealable, abortable) if every slot was zeroed
+        and nobody gave it up meanwhile; else it is freed and the call fails. The lock is waited for
+        until ``deadline`` (tried once if it passed); busy until then, the freeing is handed to the
+        reaper. Either way exactly one of this call and the reaper frees the save (_drop_zeroing)."""
+        # The save is this call's (save.zeroing): nobody else reads it before _drop_zeroing frees it.
+        # Foreign to every namespace, its own included: their next grant zeroes them (BlockStore.abort).
+        save.unzeroed_slots.update(unzeroed)
+        if not acquire_by(self._lock, deadline):
+            self._hand_to_reaper(functools.partial(self._drop_zeroing, save))
+            raise DeadlineExceeded(
+                "deadline passed while zeroing the granted slots (the engine was busy); they are freed"
+            )
+        try:
+            if self._closed:
+                raise Closed("engine is closed")
+            if not unzeroed and not save.given_up:
+                save.zeroing = False  # granted: the client may write, seal or abort it from now on
+                return
+            given_up, session_gone = save.given_up, self._registry.sessions.get(save.session_id) is None
+            self._drop_zeroing(save)
+        finally:
+            self._lock.release()
+        if given_up and session_gone:
+            raise NotFound("session", save.session_id)
+        if given_up:
+            raise DeadlineExceeded(f"save {save.id} was given up while its slots were zeroed; they are freed")
+        raise DeadlineExceeded(
+            f"deadline passed while zeroing the granted slots ({len(unzeroed)} left); they are freed"
+        )
+
+    def _drop_zeroing(self, save: Save) -> None:
+        """Under the lock: frees a save whose granting call does not hand it to its client (a slot
+        left unzeroed, given up meanwhile, or the lock busy past the deadline: then run by the
+        reaper). Only the granting call frees a save while save.zeroing, and only once, here."""
+        save.zeroing = False
+        if self._registry.saves.get(save.id) is save:
+            self._registry.remove_save(save)
+        self._free_save(save)
+
+    def give_up_save(self, session_id: str, save_id: str) -> None:
+        """Frees a save whose grant cannot reach its caller (the deadline passed as AllocateBlocks
+        finished, or the caller cancelled), never waiting: at once if the engine lock is free, else
+        by the reaper's next pass. A save already sealed, aborted or freed is left as it is."""
+
+        def drop() -> None:
+            save = self._registry.saves.get(save_id)
+            if save is not None and save.session_id == session_id:
+                self._abort_save(save)
+
+        if not self._lock.acquire(blocking=False):
+            self._hand_to_reaper(drop)
+            return
+        try:
+            if not self._closed:
+                drop()
+        finally:
+            self._lock.release()
 
     def seal_blocks(
         self,
@@ -862,6 +980,10 @@ class KVEngine:
         with self._locked(deadline):
             session = self._live(session_id)
             save = self._registry.save(session, save_id, time.monotonic())
+            if save.zeroing:
+                # Only a client that named its save before the answer could: its slots may still hold
+                # another namespace's bytes (allocate_blocks zeroes them off the lock).
+                raise FailedPrecondition(f"save {save_id} is not granted yet: its AllocateBlocks is running")
             if hashes:
                 targets = list(dict.fromkeys(hashes))
                 for block_hash in targets:
@@ -1290,9 +1412,23 @@ class KVEngine:
             self.lane.uncharge(held.session_id, held.nbytes)
 
     def _abort_save(self, save: Save) -> int:
+        """Under the lock: forgets a registered save and frees its unsealed blocks (see _give_up)."""
+        self._registry.remove_save(save)
+        return self._give_up(save)
+
+    def _give_up(self, save: Save) -> int:
+        """Under the lock: frees a save the registry no longer lists; returns how many blocks. One
+        whose AllocateBlocks is still zeroing its slots off the lock (save.zeroing) is only marked:
+        that call frees them when it finishes (_finish_zeroing), so no memset of it ever writes a
+        slot granted to someone else, and nothing is freed twice."""
+        if save.zeroing:
+            save.given_up = True
+            return sum(1 for e in save.pending.values() if e is not None)
+        return self._free_save(save)
+
+    def _free_save(self, save: Save) -> int:
         granted = sum(e.length for e in save.pending.values() if e is not None)
         freed = self._store.abort(save)
-        self._registry.remove_save(save)
         owner = self._registry.sessions.get(save.session_id)
         if owner is not None:
             owner.unsealed_bytes -= granted
@@ -1306,7 +1442,7 @@ class KVEngine:
             self._ended_sessions.append(session.id)
         for held in leases:
             self._store.unpin(held.entries)
-        freed = sum(self._store.abort(save) for save in saves)
+        freed = sum(self._give_up(save) for save in saves)
         log.info(
             "session %s (%r pid %d) ended: %s; released %d leases, freed %d unsealed blocks, "
             "dropped %d instances",
@@ -1319,11 +1455,14 @@ class KVEngine:
             instances,
         )
 
-    def _announce_ended_sessions(self) -> None:
-        if not self._ended_sessions:
-            return
-        with self._lock:
-            ended, self._ended_sessions = self._ended_sessions, []
+    def _take_ended_sessions(self) -> list[str]:
+        """Under the lock: the sessions ended since the last take, for the caller to _announce once
+        it released the lock (in the same hold: no second wait for the lock to announce them)."""
+        ended, self._ended_sessions = self._ended_sessions, []
+        return ended
+
+    def _announce(self, ended: Sequence[str]) -> None:
+        """Off the lock: tells the session listeners of each ended session."""
         for session_id in ended:
             for callback in self._session_listeners:
                 try:
@@ -1542,8 +1681,28 @@ class KVEngine:
         for method, code, seconds in signals.calls:
             self.observer.on_rpc(method, wire_status.from_number(code).name, seconds)
 
+    def _hand_to_reaper(self, work: Callable[[], None]) -> None:
+        """``work`` (to run under the engine lock) done by the reaper's next pass, woken now: what a
+        call could not finish by its deadline because the lock was busy, and must not be lost (a
+        close, a save to free). Never waits: deque.append is atomic, Event.set only notifies."""
+        self._handed_over.append(work)
+        self._reap_wanted.set()
+
+    def _run_handed_over(self) -> None:
+        """Under the lock: the work _hand_to_reaper queued, each item once."""
+        while self._handed_over:
+            work = self._handed_over.popleft()
+            try:
+                work()
+            except Exception:
+                log.exception("work handed to the reaper failed; continuing")
+
     def _reap_loop(self) -> None:
-        while not self._stop.wait(self.config.reaper_interval_s):
+        while not self._stop.is_set():
+            self._reap_wanted.wait(self.config.reaper_interval_s)
+            self._reap_wanted.clear()  # before the pass: work handed over after it wakes the next one
+            if self._stop.is_set():
+                return
             try:
                 self.reap()
             except Closed:
@@ -1552,9 +1711,11 @@ class KVEngine:
                 log.exception("reaper failed; continuing")
 
     def reap(self, now: float | None = None) -> None:
-        """Ends silent sessions, expires leases, frees saves past the write timeout."""
+        """Does the work calls handed over (_hand_to_reaper), ends silent sessions, expires leases,
+        frees saves past the write timeout."""
         now = time.monotonic() if now is None else now
         with self._locked(None):
+            self._run_handed_over()
             sessions, leases, saves = self._registry.expired(now)
             for session in sessions:
                 self._end_session(session, f"no heartbeat for {self.config.session_ttl_s:g} s")
@@ -1577,9 +1738,10 @@ class KVEngine:
                     freed,
                 )
             released = self._release_idle_namespaces(now)
+            ended = self._take_ended_sessions()
         if released or self._namespaces_unsaved:
             self._save_namespaces()
-        self._announce_ended_sessions()
+        self._announce(ended)
 
     def _save_namespaces(self, deadline: float | None = None) -> None:
         """Writes the namespaces' layouts beside every persistent tier, off the engine lock. A write

@@ -25,6 +25,8 @@ class Save:
         "sealed_bytes",
         "stale_slots",
         "unzeroed_slots",
+        "zeroing",
+        "given_up",
     )
 
     def __init__(
@@ -54,3 +56,9 @@ class Save:
         # may still hold part of the old bytes: the store marks it foreign to every namespace
         # (BlockStore.abort), so its next grant zeroes it.
         self.unzeroed_slots: set[int] = set()
+        # True while the AllocateBlocks that granted it zeroes its stale slots off the engine lock: the
+        # save is that call's until it finishes (engine._finish_zeroing). It cannot be sealed, and an
+        # abort, its session's end or its write timeout only sets ``given_up``: the granting call (or
+        # the reaper on its behalf) frees its slots, never while its memset may still write them.
+        self.zeroing = False
+        self.given_up = False

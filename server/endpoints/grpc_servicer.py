@@ -7,7 +7,8 @@ codes (NOT_FOUND with trailing metadata naming what was unknown); anything
 unexpected is logged and answered INTERNAL, so no request can take the server
 down. A call whose deadline passes while it is being served is undone (a lease
 released, a save aborted) and answered DEADLINE_EXCEEDED, so a client that gave
-up leaks nothing.
+up leaks nothing; CloseSession's is finished instead (the engine's reaper ends
+the session), since undoing a close would leak the session.
 """
 
 from __future__ import annotations
@@ -338,8 +339,8 @@ class EngineServicer(pb_grpc.EngineServicer):
             save_id=check.optional_ident(request.save_id, "save_id"),
         )
         if result.save_id and self._caller_gone(context, deadline):
-            self._engine.abort_blocks(session_id, result.save_id)
-            raise DeadlineExceeded("deadline passed while allocating; the granted blocks were freed")
+            self._engine.give_up_save(session_id, result.save_id)  # never waits for the lock
+            raise DeadlineExceeded("deadline passed while allocating; the granted blocks are freed")
         return pb.AllocateBlocksResponse(
             save_id=result.save_id,
             statuses=result.statuses,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import threading
 import time
 
@@ -10,9 +12,15 @@ import pytest
 
 from pegaflow.server.config import MIB, ServerConfig
 from pegaflow.server.engine import AllocStatus, KVEngine, QueryPurpose
-from pegaflow.server.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted
+from pegaflow.server.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 from pegaflow.server.store.namespace import KvLayout
-from pegaflow.server.testing import held_elsewhere
+from pegaflow.server.testing import held_elsewhere, wait_for
 
 BLOCK = 256 * 1024
 
@@ -329,9 +337,90 @@ def test_session_listeners_hear_every_end_outside_the_lock(engine):
     assert heard == [(closed, 2), (dropped, 1), (silent, 0)]
 
 
-def test_a_save_or_lease_given_up_before_it_was_served_is_refused(engine):
-    from pegaflow.server.errors import FailedPrecondition
+class LockPassedOn:
+    """A lock that another thread takes, and holds for ``seconds``, the moment ``thread`` lets go of
+    it: a caller that was waiting for the engine lock (a reserve slice, a transfer's completion)."""
 
+    def __init__(self, lock, thread: threading.Thread, seconds: float):
+        self.lock, self.thread, self.seconds = lock, thread, seconds
+        self.holder: threading.Thread | None = None
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return self.lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self.lock.release()
+        if self.holder is None and threading.current_thread() is self.thread:
+            taken = threading.Event()
+
+            def hold() -> None:
+                with self.lock:
+                    taken.set()
+                    time.sleep(self.seconds)
+
+            self.holder = threading.Thread(target=hold, name="passed-on")
+            self.holder.start()
+            assert taken.wait(5)
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def test_close_session_tells_the_listeners_without_waiting_for_the_lock_again(engine):
+    """CloseSession takes the engine lock once, by its deadline: the sessions it ended are taken for
+    the listeners in that same hold, not by waiting for the lock again (with no deadline) after it."""
+    heard: list[str] = []
+    engine.add_session_listener(heard.append)  # as the runtime adds the GPU data path's
+    sid = engine.open_session("t").session_id
+    real = engine._lock
+    engine._lock = passed_on = LockPassedOn(real, threading.current_thread(), 2.0)
+    try:
+        started = time.monotonic()
+        engine.close_session(sid, deadline=started + 0.5)
+        assert time.monotonic() - started < 0.5  # not the other holder's 2 s
+        assert heard == [sid]
+    finally:
+        engine._lock = real
+        if passed_on.holder is not None:
+            passed_on.holder.join()
+
+
+def test_a_close_that_cannot_take_the_lock_by_its_deadline_is_finished_by_the_reaper():
+    """CloseSession waits for the engine lock until its deadline only, and the close is not lost: the
+    reaper ends the session once the lock is free (leases released, unsealed blocks freed, listeners
+    told), exactly once: a retry finds it ended, another pass of the reaper does nothing."""
+    # A TTL no wait here comes near: only the close can end the session.
+    config = ServerConfig(pool_size_bytes=32 * MIB, http_addr=None, slab_bytes=4 * MIB, session_ttl_s=60)
+    with contextlib.closing(KVEngine(config)) as engine:
+        heard: list[str] = []
+        engine.add_session_listener(heard.append)
+        sid = engine.open_session("t").session_id
+        iid = engine.register_instance(sid, layout()).instance_id
+        save(engine, sid, iid, hashes(2))
+        assert engine.query_prefix(sid, iid, hashes(2), lease=True).num_hits == 2
+        assert engine.allocate_blocks(sid, iid, hashes(3, "unsealed")).save_id
+        assert engine.stats().pinned_blocks == 2 and engine.stats().open_saves == 1
+        with held_elsewhere(engine._lock, 1.0):  # a slow holder: a starved thread
+            started = time.monotonic()
+            with pytest.raises(DeadlineExceeded):
+                engine.close_session(sid, deadline=started + 0.2)
+            assert time.monotonic() - started < 0.8
+        wait_for(lambda: heard == [sid], 5, what="the reaper ending the session")
+        with pytest.raises(NotFound):  # the client's retry finds it ended
+            engine.close_session(sid, deadline=time.monotonic() + 5)
+        engine.reap()  # another pass: nothing is done twice
+        with pytest.raises(NotFound):
+            engine.heartbeat(sid)
+        stats = engine.stats()
+        assert heard == [sid] and stats.sessions_closed == 1 and stats.live_sessions == 0
+        assert stats.pinned_blocks == 0 and stats.open_saves == 0 and stats.pool_used_bytes == 2 * BLOCK
+
+
+def test_a_save_or_lease_given_up_before_it_was_served_is_refused(engine):
     sid = engine.open_session("t").session_id
     iid = engine.register_instance(sid, layout()).instance_id
     # The client timed out and aborted before the server got to its AllocateBlocks.
@@ -664,6 +753,144 @@ def test_a_whole_write_grant_skips_the_memset_and_an_aborted_one_is_zeroed_for_w
                 view[o : o + BLOCK] = 0x33
     finally:
         eng.close()
+
+
+def test_zeroing_stops_at_the_deadline_and_no_slot_it_left_is_ever_granted_unzeroed(monkeypatch):
+    """AllocateBlocks zeroes the slots another namespace held only until its deadline: then it grants
+    nothing (DEADLINE_EXCEEDED, every slot of the call freed), and a slot it did not zero is foreign
+    to every namespace, the allocating one included, so that its next grant zeroes it (F2)."""
+    eng, sid, victim, other = engine_full_of_victim_bytes("other")
+    try:
+        memset = ctypes.memset
+
+        def slow_memset(dst, c, n):  # a starved process: 0.1 s per 256 KiB slot
+            time.sleep(0.1)
+            return memset(dst, c, n)
+
+        monkeypatch.setattr(ctypes, "memset", slow_memset)
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceeded):
+            eng.allocate_blocks(sid, other, hashes(8, "lazy"), deadline=started + 0.25)
+        assert time.monotonic() - started < 0.6  # not the 0.8 s of zeroing all 8
+        monkeypatch.undo()
+        assert eng.stats().open_saves == 0
+        view = eng.pool_view()
+        before = view.copy()
+        again = eng.allocate_blocks(sid, other, hashes(8, "lazy"))
+        assert again.statuses == [AllocStatus.GRANTED] * 8  # the first grant is gone, not IN_PROGRESS
+        left = [
+            loc for loc in again.locations if (before[loc.offset : loc.offset + loc.length] == 0xAB).all()
+        ]
+        assert left  # slots the first call granted and did not zero, granted again: zeroed this time
+        for loc in again.locations:
+            assert not view[loc.offset : loc.offset + loc.length].any()
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("given_up_by", ["abort", "close"])
+def test_a_save_being_zeroed_cannot_be_sealed_and_is_freed_by_its_own_call_once_given_up(
+    monkeypatch, given_up_by
+):
+    """While AllocateBlocks zeroes its slots off the lock, the save (its id chosen by the client) is
+    that call's: sealing it is refused (it would publish the other namespace's bytes), and an abort
+    or the session's end leaves the slots to that call, which frees them once its memset is done, so
+    no slot is freed under a memset still writing it, nor freed twice."""
+    eng, sid, victim, other = engine_full_of_victim_bytes("other")
+    zeroing, go_on = threading.Event(), threading.Event()
+    memset = ctypes.memset
+
+    def gated_memset(dst, c, n):
+        zeroing.set()
+        assert go_on.wait(10)
+        return memset(dst, c, n)
+
+    outcome: dict = {}
+
+    def allocate() -> None:
+        try:
+            outcome["result"] = eng.allocate_blocks(sid, other, hashes(8, "lazy"), save_id="w-named")
+        except Exception as exc:
+            outcome["error"] = exc
+
+    monkeypatch.setattr(ctypes, "memset", gated_memset)
+    allocating = threading.Thread(target=allocate)
+    allocating.start()
+    try:
+        assert zeroing.wait(5)
+        with pytest.raises(FailedPrecondition):
+            eng.seal_blocks(sid, "w-named")
+        used = eng.stats().pool_used_bytes
+        if given_up_by == "abort":
+            assert eng.abort_blocks(sid, "w-named") == 8
+        else:
+            eng.close_session(sid)
+        assert eng.stats().pool_used_bytes == used  # still the zeroing call's: nobody else gets them
+        go_on.set()
+        allocating.join(10)
+        expected = DeadlineExceeded if given_up_by == "abort" else NotFound
+        assert isinstance(outcome.get("error"), expected), outcome
+        stats = eng.stats()
+        assert stats.pool_used_bytes == used - 8 * BLOCK and stats.open_saves == 0
+        assert stats.aborted_blocks == 8
+    finally:
+        go_on.set()
+        allocating.join(10)
+        eng.close()
+
+
+def test_a_grant_whose_zeroing_ends_with_the_lock_busy_is_freed_by_the_reaper(monkeypatch):
+    """Zeroed, the grant still needs the lock (to become the client's): busy past the deadline, the
+    call answers DEADLINE_EXCEEDED at its deadline and hands the save to the reaper, which frees it."""
+    eng, sid, victim, other = engine_full_of_victim_bytes("other")
+    memset = ctypes.memset
+    holders: list[threading.Thread] = []
+
+    def memset_then_lock_taken(dst, c, n):
+        out = memset(dst, c, n)
+        if not holders:
+            taken = threading.Event()
+
+            def hold() -> None:
+                with eng._lock:
+                    taken.set()
+                    time.sleep(1.0)
+
+            holders.append(threading.Thread(target=hold))
+            holders[0].start()
+            assert taken.wait(5)
+        return out
+
+    monkeypatch.setattr(ctypes, "memset", memset_then_lock_taken)
+    try:
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceeded):
+            eng.allocate_blocks(sid, other, hashes(8, "lazy"), deadline=started + 0.3)
+        assert time.monotonic() - started < 0.8
+        monkeypatch.undo()
+        holders[0].join()
+        wait_for(lambda: eng.stats().open_saves == 0, 5, what="the reaper freeing the save")
+        assert eng.allocate_blocks(sid, other, hashes(8, "lazy")).statuses == [AllocStatus.GRANTED] * 8
+    finally:
+        for holder in holders:
+            holder.join()
+        eng.close()
+
+
+def test_give_up_save_never_waits_for_the_lock(engine):
+    """A grant the servicer cannot deliver (its deadline passed as the call finished) is freed without
+    waiting for the engine lock: at once, or by the reaper once the lock is free."""
+    sid = engine.open_session("t").session_id
+    iid = engine.register_instance(sid, layout()).instance_id
+    res = engine.allocate_blocks(sid, iid, hashes(4))
+    with held_elsewhere(engine._lock, 1.0):
+        started = time.monotonic()
+        engine.give_up_save(sid, res.save_id)
+        assert time.monotonic() - started < 0.2
+    wait_for(lambda: engine.stats().open_saves == 0, 5, what="the reaper freeing the save")
+    assert engine.stats().pool_used_bytes == 0
+    with pytest.raises(NotFound):
+        engine.seal_blocks(sid, res.save_id)
 
 
 def test_a_slot_of_a_slab_re_cut_for_another_size_is_zeroed_before_it_is_granted():

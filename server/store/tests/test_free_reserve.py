@@ -198,10 +198,10 @@ def test_slots_another_namespace_held_are_zeroed_ahead_so_the_save_that_gets_the
         on_request_thread: list = []  # slots zeroed by the calls of this (the request) thread
         zero, me = eng.dram.zero, threading.current_thread()
 
-        def recording_zero(slots):
+        def recording_zero(slots, deadline=None):
             if threading.current_thread() is me:
                 on_request_thread.extend(slots)
-            zero(slots)
+            return zero(slots, deadline)
 
         eng.dram.zero = recording_zero
         save(eng, sid, iid, hashes(8, "a"))  # evicts for itself: its 8 slots zeroed on this thread
@@ -234,9 +234,9 @@ def test_whole_write_saves_zero_nothing_on_their_path_and_get_nothing_zeroed_ahe
         zeroed: list = []
         zero = eng.dram.zero
 
-        def recording_zero(slots):
+        def recording_zero(slots, deadline=None):
             zeroed.extend(slots)
-            zero(slots)
+            return zero(slots, deadline)
 
         eng.dram.zero = recording_zero
         for n in range(SOLE_SAVER_STREAK + 2):

@@ -12,6 +12,7 @@ reaches the allocator directly (``allocator``), because choosing which blocks to
 from __future__ import annotations
 
 import ctypes
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 
@@ -69,12 +70,23 @@ class DramTier(Tier):
     def pool_view(self) -> np.ndarray:
         return self._view
 
-    def zero(self, slots: Sequence[tuple[int, int]]) -> None:
-        """Zeroes ``(offset, length)`` slots with libc memset through ctypes (a CFUNCTYPE call: the GIL
-        is released, where numpy's fill would hold it for the whole of a large batch)."""
+    def zero(self, slots: Sequence[tuple[int, int]], deadline: float | None = None) -> int:
+        """Zeroes ``(offset, length)`` slots, in order, with libc memset through ctypes (a CFUNCTYPE
+        call: the GIL is released, where numpy's fill would hold it for the whole of a large batch).
+        Returns how many of the leading slots were zeroed: all of them, unless ``deadline``
+        (time.monotonic()) passed first; it is checked before each slot, so it is overrun by one
+        slot's memset at most."""
         base = self._view.ctypes.data
-        for offset, length in slots:
+        if deadline is None:
+            for offset, length in slots:
+                ctypes.memset(base + offset, 0, length)
+            return len(slots)
+        clock = time.monotonic
+        for done, (offset, length) in enumerate(slots):
+            if clock() >= deadline:
+                return done
             ctypes.memset(base + offset, 0, length)
+        return len(slots)
 
     def write(self, requests: Sequence[WriteRequest]) -> Future[list[IoStatus]]:
         for r in requests:
