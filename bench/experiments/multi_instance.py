@@ -36,8 +36,6 @@ from pegaflow.bench.harness import cachesim, connector_config, models, plots, re
 from pegaflow.bench.harness.pegaflow_proc import PegaflowServerProcess, get_stats
 from pegaflow.bench.harness.procs import machine_busy_cpu_seconds, mem_available_bytes
 from pegaflow.bench.harness.vllm_fleet import CpuPlacement, VllmConfig, VllmFleet
-from pegaflow.connector.embedded import published_address
-from pegaflow.tools.vllm_cpu.launcher import VllmServer
 from pegaflow.tools.vllm_cpu.tiny_model import TinyModelSpec
 
 ARMS = ("shared", "isolated")
@@ -184,19 +182,6 @@ def _pool_layout(arm: str, setup: Setup, budget: dict) -> tuple[int, int, bool]:
     raise ValueError(f"unknown arm {arm!r}; known: shared, isolated, isolated-servers")
 
 
-def _embedded_address(engine_id: str, vllm: VllmServer) -> str:
-    """The gRPC address an instance's embedded server published (its vLLM's TMPDIR is the work
-    dir's tmp/, tools/vllm_cpu/launcher.py). A missing one means that instance serves without the
-    cache (its embedded server did not start: see its vllm.log), which would skew the comparison."""
-    addr = published_address(engine_id, vllm.workdir / "tmp")
-    if addr is None:
-        raise RuntimeError(
-            f"the embedded server of {vllm.workdir.name} published no address: its connector runs "
-            f"without the cache; see {vllm.log_path}"
-        )
-    return addr
-
-
 def _cpu_snapshot(fleet: VllmFleet, servers: list[PegaflowServerProcess]) -> dict:
     return {
         "vllm": fleet.cpu_seconds(),
@@ -280,7 +265,7 @@ def run_arm(
         def pools_after(fleet: VllmFleet) -> tuple[dict, list[dict], list[dict]]:
             cpu = _cpu_snapshot(fleet, servers)
             stats = [s.stats() for s in servers] or [
-                get_stats(_embedded_address(engine_id, server))
+                get_stats(connector_config.embedded_address(engine_id, server))
                 for engine_id, server in zip(engine_ids, fleet.servers, strict=True)
             ]
             return cpu, stats, [s.memory() for s in servers]

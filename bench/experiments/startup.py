@@ -46,7 +46,6 @@ from pegaflow.bench.harness import connector_config, loadgen, models, plots, res
 from pegaflow.bench.harness.pegaflow_proc import PegaflowServerProcess
 from pegaflow.bench.harness.procs import mem_available_bytes
 from pegaflow.bench.harness.vllm_fleet import CpuPlacement, VllmConfig, VllmFleet
-from pegaflow.connector.embedded import published_metrics_address
 from pegaflow.tools.vllm_cpu.launcher import VllmServer
 
 MODES = ("server", "embedded")
@@ -115,28 +114,14 @@ def time_vllm(
     return {"ready_s": ready_s, "memory_at_ready": memory, "pool_prefault_s": prefault_s}
 
 
-def embedded_metrics_address(engine_id: str, vllm: VllmServer) -> str:
-    """The /metrics address the instance's embedded server published in the engine's temp dir (the
-    launcher's TMPDIR, workdir/tmp). Its ports are 0: one picked beforehand could be taken by
-    another process before the worker binds it, and the worker would then serve without the cache,
-    a start that leaves out the pool's pre-fault and looks like an embedded one. RuntimeError naming
-    the log when there is none."""
-    addr = published_metrics_address(engine_id, vllm.workdir / "tmp")
-    if addr is None:
-        raise RuntimeError(
-            f"the embedded server of {vllm.workdir} published no metrics address: vLLM ran without the "
-            f"cache, so its start would leave out the pool's pre-fault; see {vllm.log_path}"
-        )
-    return addr
-
-
 def time_embedded_vllm(base: VllmConfig, size: int, run_dir: pathlib.Path, timeout_s: float) -> dict:
     """One cold start of vLLM with an embedded pool of `size` bytes (time_vllm's numbers), its
     server's gRPC and metrics ports bound at 0 and read where it published them."""
     engine_id = f"pegaflow-startup-{uuid.uuid4().hex[:12]}"
     kv = connector_config.embedded_pool(size, metrics_addr="127.0.0.1:0", engine_id=engine_id)
     config = dataclasses.replace(base, kv_transfer_config=kv)
-    return time_vllm(config, run_dir, timeout_s, functools.partial(embedded_metrics_address, engine_id))
+    metrics_addr = functools.partial(connector_config.embedded_address, engine_id, metrics=True)
+    return time_vllm(config, run_dir, timeout_s, metrics_addr)
 
 
 def embedded_prefault_s(metrics_addr: str) -> float | None:

@@ -12,6 +12,9 @@ lookup_timeout_ms / load_timeout_ms through unchanged, the same in both modes.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
+
+from pegaflow.connector.embedded import published_address, published_metrics_address
 
 CONNECTOR = "PegaKVConnector"
 CONNECTOR_MODULE = "pegaflow.connector"
@@ -66,3 +69,20 @@ def embedded_pool(
     if engine_id is not None:
         config["engine_id"] = engine_id
     return config
+
+
+def embedded_address(engine_id: str, vllm: Any, metrics: bool = False) -> str:
+    """The gRPC (``metrics``: /metrics) address the embedded server of ``vllm`` (a started
+    tools/vllm_cpu VllmServer, run with `embedded_pool(..., engine_id=engine_id)`) published in its
+    TMPDIR, the work dir's tmp/. Its ports are 0, read here, never picked beforehand: another
+    process could take such a port before the worker binds it. RuntimeError naming the instance's
+    vllm.log when there is none: that instance serves without the cache (its embedded server did not
+    start), and timing or comparing it as an embedded one would be wrong."""
+    read = published_metrics_address if metrics else published_address
+    addr = read(engine_id, vllm.workdir / "tmp")
+    if addr is None:
+        raise RuntimeError(
+            f"the embedded server of {vllm.workdir} published no {'metrics ' if metrics else ''}address: "
+            f"that vLLM runs without the cache; see {vllm.log_path}"
+        )
+    return addr

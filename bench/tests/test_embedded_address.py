@@ -1,5 +1,5 @@
-"""multi_instance reads each embedded server's address where it published it (port 0, no port
-picked beforehand that another process could take), and says so plainly when there is none."""
+"""multi_instance and startup read each embedded server's address where it published it (port 0, no
+port picked beforehand that another process could take), and say so plainly when there is none."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from pegaflow.bench.experiments.multi_instance import _embedded_address
+from pegaflow.bench.harness.connector_config import embedded_address
 from pegaflow.connector.embedded import address_file
 
 
@@ -22,10 +22,10 @@ def test_the_published_address_is_read_from_the_instance_s_temp_dir(tmp_path):
     vllm = StandInVllm(tmp_path / "vllm0", tmp_path / "vllm0" / "vllm.log")
     (vllm.workdir / "tmp").mkdir(parents=True)
     address_file("e0", vllm.workdir / "tmp").write_text("127.0.0.1:41234\n")
-    assert _embedded_address("e0", vllm) == "127.0.0.1:41234"
+    assert embedded_address("e0", vllm) == "127.0.0.1:41234"
 
 
 def test_an_instance_without_an_embedded_server_fails_the_run_naming_its_log(tmp_path):
     vllm = StandInVllm(tmp_path / "vllm1", tmp_path / "vllm1" / "vllm.log")
-    with pytest.raises(RuntimeError, match="published no address.*runs without the cache.*vllm1/vllm.log"):
-        _embedded_address("e1", vllm)
+    with pytest.raises(RuntimeError, match=r"published no address.*runs without the cache.*vllm1/vllm\.log"):
+        embedded_address("e1", vllm)

@@ -11,6 +11,7 @@ import pathlib
 import pytest
 
 from pegaflow.bench.experiments import startup
+from pegaflow.bench.harness import connector_config
 from pegaflow.bench.harness.vllm_fleet import VllmConfig
 from pegaflow.connector.embedded import (
     EmbeddedServer,
@@ -57,7 +58,7 @@ def test_a_run_whose_embedded_server_published_nothing_fails_naming_its_log(tmp_
     with pytest.raises(
         RuntimeError, match=r"published no metrics address.*without the cache.*vllm0/vllm\.log"
     ):
-        startup.embedded_metrics_address("e1", vllm)
+        connector_config.embedded_address("e1", vllm, metrics=True)
 
 
 def test_an_embedded_server_on_port_0_publishes_both_addresses_and_removes_them_when_it_stops(
