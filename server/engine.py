@@ -744,6 +744,35 @@ class KVEngine:
         if loaded_bytes:
             self.observer.on_load(loaded_bytes, age)
 
+    def give_up_lease(self, session_id: str, lease_id: str) -> None:
+        """Ends a lease whose answer cannot reach its caller (the deadline passed as QueryPrefix
+        finished, or the caller cancelled), never waiting: at once if the engine lock is free, else
+        by the reaper's next pass (the lease's TTL would end it too, with its blocks pinned until
+        then). A lease already ended is left as it is."""
+
+        def release() -> None:
+            with contextlib.suppress(NotFound):
+                self._release_now(session_id, lease_id)
+
+        if not self._lock.acquire(blocking=False):
+            self._hand_to_reaper(release)
+            return
+        try:
+            if not self._closed:
+                release()
+        finally:
+            self._lock.release()
+
+    def _release_now(self, session_id: str, lease_id: str) -> None:
+        """Under the lock: ends the lease (an engine or a lane lease) of a live session, nothing read."""
+        session = self._live(session_id)
+        lane_lease = self._lane_lease_id(lease_id)
+        if lane_lease is not None:
+            if self.lane.release(session_id, lane_lease, 0) is None:
+                raise NotFound("lease", lease_id)
+            return
+        self._drop_lease(self._registry.lease(session, lease_id, time.monotonic()))
+
     # ------------------------------------------------------- read lane leases
 
     def _lane_lease_id(self, lease_id: str) -> int | None:
@@ -1754,13 +1783,16 @@ class KVEngine:
             self._namespaces_unsaved = True  # the reaper's next tick writes it
             return
         try:
-            self._write_namespaces()
+            self._write_namespaces(deadline)
+        except DeadlineExceeded:  # the engine lock was busy until then: the layouts were not read
+            self._namespaces_unsaved = True
         finally:
             self._persist_lock.release()
 
-    def _write_namespaces(self) -> None:
-        """Under the persist lock: the layouts file in every state directory, the failure remembered."""
-        with self._locked(None):
+    def _write_namespaces(self, deadline: float | None = None) -> None:
+        """Under the persist lock: the layouts file in every state directory, the failure remembered.
+        The engine lock (to read the layouts) is waited for until ``deadline`` (DeadlineExceeded)."""
+        with self._locked(deadline):
             layouts = self._namespaces.layouts()
         try:
             for directory in self._state_dirs:

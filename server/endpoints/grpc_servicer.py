@@ -285,8 +285,8 @@ class EngineServicer(pb_grpc.EngineServicer):
             purpose=check.purpose(request.purpose),
         )
         if result.lease_id and self._caller_gone(context, deadline):
-            self._engine.release_lease(session_id, result.lease_id)
-            raise DeadlineExceeded("deadline passed while querying; the lease was released")
+            self._engine.give_up_lease(session_id, result.lease_id)  # never waits for the lock
+            raise DeadlineExceeded("deadline passed while querying; the lease is released")
         return pb.QueryPrefixResponse(
             num_hits=result.num_hits,
             lease_id=result.lease_id,

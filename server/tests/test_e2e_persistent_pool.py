@@ -176,3 +176,22 @@ def test_registering_an_instance_never_waits_past_its_deadline_for_the_layouts_f
         )
     finally:
         eng.close()
+
+
+def test_saving_the_layouts_never_waits_past_its_deadline_for_the_engine_lock(pool_dir):
+    """RegisterInstance writes the layouts off the engine lock, then takes it again to read them: a
+    lock held past the call's deadline (a long engine call) leaves the write to the reaper's next
+    tick instead of holding the call."""
+    eng = KVEngine(
+        ServerConfig(pool_size_bytes=16 * MIB, http_addr=None, pool_dir=pool_dir, persist_pool=True)
+    )
+    try:
+        with held_elsewhere(eng._lock, 3.0):
+            started = time.monotonic()
+            eng._save_namespaces(deadline=started + 0.3)
+            assert time.monotonic() - started < 1.5  # not the holder's 3 s
+            assert eng._namespaces_unsaved  # the reaper writes them
+        eng.reap()
+        assert not eng._namespaces_unsaved
+    finally:
+        eng.close()

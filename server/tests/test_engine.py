@@ -893,6 +893,25 @@ def test_give_up_save_never_waits_for_the_lock(engine):
         engine.seal_blocks(sid, res.save_id)
 
 
+def test_give_up_lease_never_waits_for_the_lock(engine):
+    """A lease the servicer cannot deliver (its deadline passed as QueryPrefix finished) is released
+    without waiting for the engine lock: at once, or by the reaper once the lock is free, not at the
+    lease's TTL (its blocks pinned until then)."""
+    sid = engine.open_session("t").session_id
+    iid = engine.register_instance(sid, layout()).instance_id
+    save(engine, sid, iid, hashes(4))
+    lease = engine.query_prefix(sid, iid, hashes(4), lease=True, lease_ttl_s=600.0).lease_id
+    assert lease and engine.stats().pinned_blocks == 4
+    with held_elsewhere(engine._lock, 1.0):
+        started = time.monotonic()
+        engine.give_up_lease(sid, lease)
+        assert time.monotonic() - started < 0.2
+    wait_for(lambda: engine.stats().pinned_blocks == 0, 5, what="the reaper releasing the lease")
+    with pytest.raises(NotFound):
+        engine.release_lease(sid, lease)
+    engine.give_up_lease(sid, lease)  # already ended: nothing to do, nothing raised
+
+
 def test_a_slot_of_a_slab_re_cut_for_another_size_is_zeroed_before_it_is_granted():
     """Review finding F2 across a slab move: the new slots (768 KiB) straddle the old ones (1 MiB), so no
     old slot's owner names them; they are zeroed all the same, not handed out with the old bytes."""
