@@ -754,14 +754,7 @@ class KVEngine:
             with contextlib.suppress(NotFound):
                 self._release_now(session_id, lease_id)
 
-        if not self._lock.acquire(blocking=False):
-            self._hand_to_reaper(release)
-            return
-        try:
-            if not self._closed:
-                release()
-        finally:
-            self._lock.release()
+        self._now_or_by_reaper(release)
 
     def _release_now(self, session_id: str, lease_id: str) -> None:
         """Under the lock: ends the lease (an engine or a lane lease) of a live session, nothing read."""
@@ -986,14 +979,7 @@ class KVEngine:
             if save is not None and save.session_id == session_id:
                 self._abort_save(save)
 
-        if not self._lock.acquire(blocking=False):
-            self._hand_to_reaper(drop)
-            return
-        try:
-            if not self._closed:
-                drop()
-        finally:
-            self._lock.release()
+        self._now_or_by_reaper(drop)
 
     def seal_blocks(
         self,
@@ -1716,6 +1702,18 @@ class KVEngine:
         close, a save to free). Never waits: deque.append is atomic, Event.set only notifies."""
         self._handed_over.append(work)
         self._reap_wanted.set()
+
+    def _now_or_by_reaper(self, work: Callable[[], None]) -> None:
+        """Runs ``work`` under the engine lock if the lock is free now, else hands it to the reaper:
+        never waits (undoing what a caller got that its answer can no longer deliver)."""
+        if not self._lock.acquire(blocking=False):
+            self._hand_to_reaper(work)
+            return
+        try:
+            if not self._closed:
+                work()
+        finally:
+            self._lock.release()
 
     def _run_handed_over(self) -> None:
         """Under the lock: the work _hand_to_reaper queued, each item once."""
