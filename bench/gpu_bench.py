@@ -42,14 +42,18 @@ packages are named ``pegaflow``), with the same workload and both save timings.
 With ``--stream-inflight 1,2`` each saving rank (solo, MLA writer) also times *streams*: after its
 runs, N threads each send one untimed request (a new connection's first call) and then ``--stream-ops``
 saves back to back (distinct GPU blocks, fresh hashes), then the same loads, timed from the first
-timed request sent to the last answer (every save sealed, every load's bytes in GPU memory), with
+timed request sent to the last answer (every save sealed and a query of each thread's last request
+seeing all of it, as a single save is timed; every load's bytes in GPU memory), with
 each request's own time (``op_ms``); the last load of each thread is verified on the GPU. With N >= 2
 one request's fixed costs (its frame, checks, first allocation and launch, last seal) can hide behind
 another's copy; N = 1, the same stream one request at a time, is the same-run baseline. The threads
 wait for each other after their last request, as a vLLM worker's pool threads live on (a thread ending
 in this torch process held the other's last answer 21-40 ms: ``--no-stream-threads-wait``). The streams
 add ~N x (ops + 1) x request bytes to the pool per layout: give ``--pool-size`` room (56gb for 1,2 and
-6 ops). Drawn in gpu_bench_streams.png.
+6 ops; beyond it the oldest blocks are evicted, as in a full cache). ``--stream-repeats R`` times R
+such streams per number in flight (fresh hashes each, the numbers alternating); ``stream_summary`` in
+each row gives their median and slowest share of the ceiling, as the per-request rows do over their
+runs. Drawn in gpu_bench_streams.png.
 
 Each emulated worker times its calls as a long-running vLLM worker makes them: with the client's
 native answer wait in use (built and proven on a thread of its own in the process's first second or
@@ -116,9 +120,12 @@ def pinned_ceiling(torch, nbytes: int, reps: int = 5) -> dict:
     return out
 
 
-def stream_phase(client, handle, spec: dict, shape, tensors, dims, inflight: int) -> dict:
+def stream_phase(
+    client, handle, inst, spec: dict, shape, tensors, dims, inflight: int, repeat: int = 0
+) -> dict:
     """``inflight`` threads, each saving ``stream_ops`` requests of ``blocks`` blocks back to back, then
-    loading them back: bytes and wall seconds per phase (module docstring)."""
+    loading them back: bytes and wall seconds per phase (module docstring). ``repeat`` numbers the
+    stream among ``--stream-repeats`` (fresh hashes each)."""
     import threading
 
     import torch
@@ -130,7 +137,7 @@ def stream_phase(client, handle, spec: dict, shape, tensors, dims, inflight: int
         raise ValueError(f"{inflight} streams of {blocks} blocks need {2 * inflight * blocks} GPU blocks")
     sources = [list(range(k * blocks, (k + 1) * blocks)) for k in range(inflight)]
     targets = [list(range((inflight + k) * blocks, (inflight + k + 1) * blocks)) for k in range(inflight)]
-    tag = f"{spec['hash_prefix']}-stream{inflight}"
+    tag = f"{spec['hash_prefix']}-stream{inflight}-r{repeat}"
     errors: list[str] = []
 
     def hashes(k: int, j: int) -> list[bytes]:
@@ -160,6 +167,10 @@ def stream_phase(client, handle, spec: dict, shape, tensors, dims, inflight: int
         for j in range(ops + 1):  # j = 0 warms this thread's connection (and the server's thread) up
             t0 = time.perf_counter()
             written = client.save_from_device(handle, hashes(k, j), sources[k]).written
+            if j == ops:  # the stream's end, timed like a single save: a query sees every block
+                visible = client.query_prefix(inst, hashes(k, j)).num_hits
+                if visible != blocks:
+                    errors.append(f"stream save {k}/{j}: a query saw {visible} of {blocks}")
             if j:
                 spans["save"].append((t0, t1 := time.perf_counter()))
                 at["save"].append((k, t0, t1))
@@ -329,7 +340,11 @@ def worker_main(spec: dict) -> None:
                 verified.append(ok)
         if spec["role"] in ("solo", "writer"):
             streams = spec.get("stream_inflight", ())
-            result["streams"] = [stream_phase(client, handle, spec, shape, tensors, dims, n) for n in streams]
+            result["streams"] = [
+                stream_phase(client, handle, inst, spec, shape, tensors, dims, n, r)
+                for r in range(spec.get("stream_repeats", 1))
+                for n in streams
+            ]
         result.update(
             nbytes=nbytes,
             runs=runs,
@@ -574,7 +589,27 @@ def summarize(r: dict) -> dict:
             }
             for st in r["streams"]
         ]
+        out["stream_summary"] = stream_summary(out["streams"])
     return out
+
+
+def stream_summary(streams: list[dict]) -> list[dict]:
+    """Per number in flight, the ``--stream-repeats`` streams' median and slowest share of the ceiling."""
+    by_n: dict[int, list[dict]] = {}
+    for st in streams:
+        by_n.setdefault(st["inflight"], []).append(st)
+    return [
+        {
+            "inflight": n,
+            "streams": len(sts),
+            **{
+                f"{d}_{what}": round(fn(st[f"{d}_ratio"] for st in sts), 4)
+                for d in ("save", "load")
+                for what, fn in (("median", lambda v: statistics.median(list(v))), ("worst", min))
+            },
+        }
+        for n, sts in sorted(by_n.items())
+    ]
 
 
 def summarize_anchor(r: dict) -> dict:
@@ -780,6 +815,7 @@ def orchestrate(args) -> dict:
                 stream_ops=args.stream_ops,
                 client_switch_interval=args.client_switch_interval,
                 stream_threads_wait=args.stream_threads_wait,
+                stream_repeats=args.stream_repeats,
             )
             solos = [("per_layer", "default"), ("cross_layer", "default")]
             if args.grpc_rows:
@@ -881,14 +917,26 @@ def plot_streams(report: dict, path: pathlib.Path) -> None:
     for ax, direction in zip(axes, ("save", "load"), strict=True):
         labels = [f"{row['layout']}\n{mode}" for mode, row in rows]
         for k, n in enumerate(counts):
-            vals = [
-                next((st[f"{direction}_ratio"] * 100 for st in row["streams"] if st["inflight"] == n), 0)
+            summaries = [
+                next(
+                    (
+                        s
+                        for s in row.get("stream_summary") or stream_summary(row["streams"])
+                        if s["inflight"] == n
+                    ),
+                    None,
+                )
                 for _, row in rows
             ]
+            vals = [s[f"{direction}_median"] * 100 if s else 0 for s in summaries]
             pos = [i + (k - (len(counts) - 1) / 2) * w for i in range(len(rows))]
-            ax.bar(pos, vals, w, label=f"{n} in flight")
-            for x, v in zip(pos, vals, strict=True):
+            ax.bar(pos, vals, w, label=f"{n} in flight (median of streams; tick = slowest)")
+            for x, v, s in zip(pos, vals, summaries, strict=True):
                 ax.text(x, v + 1, f"{v:.0f}", ha="center", fontsize=8)
+                if s and s["streams"] > 1:
+                    ax.plot(
+                        [x - w / 2.5, x + w / 2.5], [s[f"{direction}_worst"] * 100] * 2, color="k", lw=1.2
+                    )
         ax.axhline(93, color="k", ls="--", lw=0.8, label="93 % target")
         ax.set_xticks(range(len(rows)), labels)
         ax.set_title(f"{direction}s sent back to back (first request sent -> last answer)")
@@ -996,6 +1044,12 @@ def main() -> None:
         help="also time streams of requests with these numbers in flight, e.g. 1,2 (module docstring)",
     )
     ap.add_argument("--stream-ops", type=int, default=4, help="requests per thread in each stream")
+    ap.add_argument(
+        "--stream-repeats",
+        type=int,
+        default=1,
+        help="streams timed per number in flight (alternating): the report gives their median and slowest",
+    )
     ap.add_argument(
         "--stream-threads-wait",
         action=argparse.BooleanOptionalAction,

@@ -77,3 +77,30 @@ def test_smallest_pool_for_blocks_and_bench_model_geometry():
     size = models.smallest_pool_for_blocks(68, 1 << 20)
     assert models.pool_capacity_blocks(size, 1 << 20) >= 68
     assert models.pool_capacity_blocks(size - (1 << 20), 1 << 20) < 68
+
+
+def test_gpu_bench_stream_summary_gives_each_in_flight_counts_median_and_slowest_stream():
+    from pegaflow.bench.gpu_bench import stream_summary
+
+    streams = [
+        {"inflight": n, "save_ratio": s, "load_ratio": ld}
+        for n, s, ld in [(1, 0.88, 0.91), (2, 0.97, 0.98), (1, 0.86, 0.93), (2, 0.90, 0.99), (2, 0.98, 0.97)]
+    ]
+    assert stream_summary(streams) == [
+        {
+            "inflight": 1,
+            "streams": 2,
+            "save_median": 0.87,
+            "save_worst": 0.86,
+            "load_median": 0.92,
+            "load_worst": 0.91,
+        },
+        {
+            "inflight": 2,
+            "streams": 3,
+            "save_median": 0.97,
+            "save_worst": 0.9,
+            "load_median": 0.98,
+            "load_worst": 0.97,
+        },
+    ]
