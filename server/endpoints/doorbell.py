@@ -52,9 +52,7 @@ class _DoorbellCalls:
     @engine_handler
     def LoadToDevice(self, req: wire.Request, context, deadline: float):
         fields = (req.session_id, req.registration_id, req.hashes, req.block_ids, req.purpose)
-        # The last lease is released after the answer is sent (its bytes landed already): one engine
-        # call less between the last byte and the caller.
-        return gpu_rpc.load(self._gpu, *fields, deadline, self._config, after_answer=context.after_answer)
+        return gpu_rpc.load(self._gpu, *fields, deadline, self._config)
 
 
 class DoorbellCodec(FrameCodec):

@@ -278,7 +278,7 @@ class CallContext:
     its deadline), as gRPC reports a cancelled call.
     """
 
-    __slots__ = ("_sock", "arrived", "_deadline", "code", "message", "trailing_metadata", "marks", "_after")
+    __slots__ = ("_sock", "arrived", "_deadline", "code", "message", "trailing_metadata", "marks")
 
     def __init__(self, sock: socket.socket, arrived: float):
         self._sock = sock
@@ -288,23 +288,6 @@ class CallContext:
         self.message = ""
         self.trailing_metadata: tuple = ()
         self.marks: dict | None = None  # a codec's timing marks for this call (codec.answered)
-        self._after: list | None = None
-
-    def after_answer(self, fn) -> None:
-        """Runs ``fn()`` on this thread once the answer is on the socket (or could not be sent):
-        clean-up the caller need not wait for, e.g. a GPU load's last lease, whose bytes landed."""
-        if self._after is None:
-            self._after = []
-        self._after.append(fn)
-
-    def run_after_answer(self) -> None:
-        """What ``after_answer`` deferred, each once; an error is logged, never raised."""
-        calls, self._after = self._after, None
-        for fn in calls or ():
-            try:
-                fn()
-            except Exception:
-                log.exception("a call's clean-up after its answer failed")
 
     def set_timeout(self, timeout_s: float | None) -> None:
         self._deadline = None if timeout_s is None else self.arrived + timeout_s
@@ -714,27 +697,24 @@ class UnixFrameServer:
             return False  # the client went away (or stop() hung up on it)
         if body is None:
             return False
-        context = CallContext(sock, time.monotonic())
         try:
+            if not body:
+                return self._refuse(sock, grpc.StatusCode.UNIMPLEMENTED, "an empty frame is no request")
+            context = CallContext(sock, time.monotonic())
             try:
-                if not body:
-                    return self._refuse(sock, grpc.StatusCode.UNIMPLEMENTED, "an empty frame is no request")
-                try:
-                    answer = codec.handle(body, context)
-                except frames.FrameError as exc:
-                    return self._refuse(sock, grpc.StatusCode.UNIMPLEMENTED, str(exc))
-            finally:
-                self.budget.release(len(body))
-            if answer is not None:
-                try:
-                    frames.send_all(sock, answer, time.monotonic() + SEND_TIMEOUT_S)
-                except OSError:
-                    return False
-                if context.marks is not None:
-                    codec.answered(context)
-            return True
+                answer = codec.handle(body, context)
+            except frames.FrameError as exc:
+                return self._refuse(sock, grpc.StatusCode.UNIMPLEMENTED, str(exc))
         finally:
-            context.run_after_answer()  # whatever happened to the answer: deferred work is never lost
+            self.budget.release(len(body))
+        if answer is not None:
+            try:
+                frames.send_all(sock, answer, time.monotonic() + SEND_TIMEOUT_S)
+            except OSError:
+                return False
+            if context.marks is not None:
+                codec.answered(context)
+        return True
 
     def _refuse(self, sock: socket.socket, code: grpc.StatusCode, reason: str) -> bool:
         self._refusals.warning("%s: refusing a frame and closing its connection: %s", self._what, reason)

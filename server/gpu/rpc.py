@@ -64,24 +64,15 @@ def save(
 
 
 def load(
-    gpu,
-    session_id: str,
-    registration_id: str,
-    hashes,
-    block_ids,
-    purpose: int,
-    deadline: float,
-    config,
-    after_answer=None,
+    gpu, session_id: str, registration_id: str, hashes, block_ids, purpose: int, deadline: float, config
 ):
-    """A LoadToDevice's checks and call, from its fields: what the RPC and the doorbell both run.
-    ``after_answer`` (GpuDataPath.load): where the call's last lease release may be deferred to."""
+    """A LoadToDevice's checks and call, from its fields: what the RPC and the doorbell both run."""
     session_id = check.ident(session_id, "session_id")
     reg_id = check.ident(registration_id, "registration_id")
     hashes = check.block_hashes(hashes, config)
     block_ids = _block_ids(block_ids, hashes)
     purpose = check.purpose(purpose)
-    return _require(gpu).load(session_id, reg_id, hashes, block_ids, deadline, purpose, after_answer)
+    return _require(gpu).load(session_id, reg_id, hashes, block_ids, deadline, purpose)
 
 
 def handle_save(gpu, req: pb.SaveFromDeviceRequest, deadline: float, config: ServerConfig):

@@ -31,14 +31,13 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import functools
 import json
 import logging
 import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from pegaflow.server.engine import AllocStatus, KVEngine, QueryPurpose
 from pegaflow.server.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
@@ -463,7 +462,6 @@ class GpuDataPath:
         block_ids: Sequence[int],
         deadline: float,
         purpose: QueryPurpose = QueryPurpose.LOOKUP,
-        after_answer: Callable[[Callable[[], None]], None] | None = None,
     ) -> LoadOutcome:
         """Copies the leading stored blocks of ``hashes`` into GPU blocks ``block_ids``, then returns.
 
@@ -472,11 +470,6 @@ class GpuDataPath:
         the copies run, the chunks' lookups are accounted as one query of ``hashes`` (``purpose``,
         QueryPurpose); then each chunk's lease is released once its copy has landed. A chunk that
         cannot land before the deadline is not started (the caller recomputes after its deadline).
-
-        ``after_answer(fn)``, where the caller offers it (the doorbell: ``CallContext.after_answer``),
-        takes the last chunk's release, to run once the answer is on its way: its bytes have landed,
-        so the lease only keeps the blocks from eviction a little longer, and the engine call
-        (0.1-0.3 ms under the engine lock on the H100 host) leaves the critical path.
         """
         t0 = time.perf_counter()
         reg = self._get(session_id, reg_id)
@@ -540,10 +533,7 @@ class GpuDataPath:
                 lease_id, nbytes, copy = inflight[0]
                 result = self._wait(copy, deadline, "the blocks are not loaded")
                 inflight.popleft()
-                if inflight or after_answer is None:
-                    self._release(lease_id, nbytes)
-                else:
-                    after_answer(functools.partial(self._release, lease_id, nbytes))
+                self._release(lease_id, nbytes)
                 mode = mode or result.mode
                 if trace is not None:
                     trace.done(result)

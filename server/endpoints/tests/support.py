@@ -10,7 +10,6 @@ import socket
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
 
 import numpy as np
 
@@ -113,7 +112,6 @@ class StandInGpu:
         self.calls: list[tuple[str, str]] = []
         self.doorbell_path = ""
         self.num_blocks = num_blocks
-        self.release_later: Callable[[], None] | None = None  # handed to a load's ``after_answer``
 
     def register(self, session_id, instance_id, reg, deadline=None) -> str:
         if self._engine is not None:
@@ -155,8 +153,6 @@ class StandInGpu:
             raise DeadlineExceeded("the copy did not finish before the deadline")
         return Saved([1] * len(hashes), len(hashes))
 
-    def load(self, session_id, reg_id, hashes, block_ids, deadline, purpose, after_answer=None):
+    def load(self, session_id, reg_id, hashes, block_ids, deadline, purpose):
         self._check(session_id, reg_id, block_ids)
-        if self.release_later is not None and after_answer is not None:
-            after_answer(self.release_later)  # as GpuDataPath defers the last lease's release
         return Loaded(len(hashes) if purpose else max(len(hashes) - 1, 0))

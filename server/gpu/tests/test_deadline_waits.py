@@ -610,26 +610,3 @@ def test_a_failed_copier_build_fails_its_waiters_and_the_next_registration_tries
     monkeypatch.setattr(service, "DeviceCopier", FakeCopier)
     assert gpu.register(session, inst, REG, time.monotonic() + 2).startswith("g-")
     assert calls == [0]
-
-
-# ------------------------------------------------------------------ 5. a load's last release after the answer
-
-
-def test_a_loads_last_lease_is_released_where_the_caller_defers_it_and_only_the_last(stack, monkeypatch):
-    """With ``after_answer`` (the doorbell's), the last chunk's lease is handed over instead of released
-    before the call returns; the earlier chunks' leases are released as their copies land. Without it
-    (gRPC), nothing is held past the call."""
-    engine, gpu = stack
-    session, inst, rid = _worker(engine, gpu)
-    monkeypatch.setattr(gpu, "_chunks", lambda n, block_bytes: [(0, 2), (2, 4)])
-    hashes = _hashes("d", 4)
-    assert gpu.save(session, rid, hashes, [1, 2, 3, 4], time.monotonic() + 5).written == 4
-    deferred: list = []
-    loaded = gpu.load(session, rid, hashes, [5, 6, 7, 8], time.monotonic() + 5, after_answer=deferred.append)
-    assert loaded.num_hits == 4
-    assert len(deferred) == 1
-    assert engine.stats().pinned_blocks == 2  # the last chunk's two blocks, until the answer went
-    deferred[0]()
-    assert engine.stats().pinned_blocks == 0
-    assert gpu.load(session, rid, hashes, [5, 6, 7, 8], time.monotonic() + 5).num_hits == 4
-    assert engine.stats().pinned_blocks == 0
