@@ -168,6 +168,20 @@ def test_blocks_saved_from_one_gpu_worker_load_byte_identical_into_another(serve
         # a partial hit lands the leading blocks and reports exactly the rest
         _, failed = step(b, load_meta("r3", [12, 13, 14], hs[:2] + hashes("never-stored", 1)))
         assert failed == {14}
+        # a step that loads several requests (two LoadToDevice in flight): each lands its own blocks,
+        # and a miss fails only its own request's rest
+        several = PegaConnectorMetadata(
+            loads=[
+                BlockTransfer("r5", [15, 16, 17], hs[:3]),
+                BlockTransfer("r6", [18, 19], hs[3:5]),
+                BlockTransfer("r7", [23, 7], hs[5:] + hashes("never-stored", 1)),
+            ]
+        )
+        _, failed = step(b, several)
+        assert failed == {7}
+        torch.cuda.synchronize()
+        for s, d in zip(src_ids, [15, 16, 17, 18, 19, 23], strict=True):
+            assert _block(dst, d) == _block(src, s)
         # the same blocks saved again are deduplicated by the server
         save_and_wait(a, "r4", [3, 4], hs[:2])
         assert a.stats["saved_blocks"] == 6 and a.stats["save_blocks_deduplicated"] == 2
