@@ -11,10 +11,13 @@ and reference-counted by handle.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import threading
+import time
 
+from pegaflow.server.errors import DeadlineExceeded
 from pegaflow.server.gpu import cuda_runtime
 
 log = logging.getLogger(__name__)
@@ -57,11 +60,17 @@ class _Mapping:
 
 
 class IpcMappings:
-    """This process's open CUDA IPC mappings, shared and reference-counted by handle."""
+    """This process's open CUDA IPC mappings, shared and reference-counted by handle.
+
+    The driver call that maps a handle runs outside the table's lock: a registration never waits
+    for another one's ``cudaIpcOpenMemHandle`` (which takes no timeout) unless both open the same
+    handle, and then only until its own deadline.
+    """
 
     def __init__(self):
         self._lock = threading.Lock()
         self._open: dict[bytes, _Mapping] = {}
+        self._opening: dict[bytes, concurrent.futures.Future] = {}  # handle -> its opener's outcome
 
     def device_ordinal(self, device_uuid: str) -> int:
         """The server's ordinal for the GPU a worker named by UUID."""
@@ -74,26 +83,59 @@ class IpcMappings:
             )
         return ordinals[uuid]
 
-    def open(self, ordinal: int, handle: bytes) -> int:
-        """Base device address of the block ``handle`` names, mapped into this process."""
+    def open(self, ordinal: int, handle: bytes, deadline: float | None = None) -> int:
+        """Base device address of the block ``handle`` names, mapped into this process.
+
+        IpcError if it cannot be mapped; DeadlineExceeded if another caller was mapping the same
+        handle and had not finished by ``deadline`` (time.monotonic; None: no limit)."""
         if len(handle) != CUDA_IPC_HANDLE_BYTES:
             raise IpcError(f"a CUDA IPC handle has {CUDA_IPC_HANDLE_BYTES} bytes, got {len(handle)}")
-        with self._lock:
-            existing = self._open.get(handle)
-            if existing is not None:
-                if existing.ordinal != ordinal:
-                    raise IpcError(f"handle already open on GPU {existing.ordinal}, asked for GPU {ordinal}")
-                existing.refs += 1
-                return existing.base
-            cupy = cuda_runtime.cupy_module()
-            rt = cuda_runtime.runtime()
+        while True:
+            with self._lock:
+                existing = self._open.get(handle)
+                if existing is not None:
+                    if existing.ordinal != ordinal:
+                        raise IpcError(
+                            f"handle already open on GPU {existing.ordinal}, asked for GPU {ordinal}"
+                        )
+                    existing.refs += 1
+                    return existing.base
+                opening = self._opening.get(handle)
+                if opening is None:  # this caller maps it
+                    opening = self._opening[handle] = concurrent.futures.Future()
+                    break
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             try:
-                with cupy.cuda.Device(ordinal):
-                    base = int(rt.ipcOpenMemHandle(handle, cuda_runtime.IPC_MEM_LAZY_ENABLE_PEER_ACCESS))
-            except Exception as exc:  # CUDARuntimeError: stale handle, dead exporter, wrong device
-                raise IpcError(f"cudaIpcOpenMemHandle failed on GPU {ordinal}: {exc}") from exc
+                opening.result(left)  # IpcError: that open failed, and this one would too
+            except concurrent.futures.TimeoutError:
+                raise DeadlineExceeded(
+                    "another registration was still opening the same CUDA IPC handle at the deadline"
+                ) from None
+            # mapped now (or already closed again: then this caller maps it)
+        try:
+            base = self._map(ordinal, handle)
+        except BaseException as exc:
+            with self._lock:
+                del self._opening[handle]
+            opening.set_exception(
+                exc if isinstance(exc, IpcError) else IpcError(f"opening the handle failed: {exc}")
+            )
+            raise
+        with self._lock:
             self._open[handle] = _Mapping(ordinal, base, 1)
-            return base
+            del self._opening[handle]
+        opening.set_result(None)
+        return base
+
+    @staticmethod
+    def _map(ordinal: int, handle: bytes) -> int:
+        cupy = cuda_runtime.cupy_module()
+        rt = cuda_runtime.runtime()
+        try:
+            with cupy.cuda.Device(ordinal):
+                return int(rt.ipcOpenMemHandle(handle, cuda_runtime.IPC_MEM_LAZY_ENABLE_PEER_ACCESS))
+        except Exception as exc:  # CUDARuntimeError: stale handle, dead exporter, wrong device
+            raise IpcError(f"cudaIpcOpenMemHandle failed on GPU {ordinal}: {exc}") from exc
 
     def close(self, handle: bytes) -> None:
         """Drops one reference; unmaps when the last one goes. Only call once no copy uses it."""

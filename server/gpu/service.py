@@ -189,7 +189,7 @@ class GpuDataPath:
         try:
             addrs = []
             for t in reg.tensors:
-                addrs.append(self._ipc.open(ordinal, t.ipc_handle) + t.offset)
+                addrs.append(self._ipc.open(ordinal, t.ipc_handle, deadline) + t.offset)
                 handles.append(t.ipc_handle)
             reg_id = "g-" + secrets.token_hex(12)
             self._copier(ordinal, deadline).add_layout(reg_id, layout, addrs)

@@ -23,6 +23,7 @@ from pegaflow.server.gpu import cuda_runtime, device_copier, service
 from pegaflow.server.gpu import rpc as gpu_rpc
 from pegaflow.server.gpu.copy_plan import Segment
 from pegaflow.server.gpu.device_copier import Copy, CopyCancelled, CopyFailed, CopyResult, DeviceCopier
+from pegaflow.server.gpu.ipc import IpcError
 from pegaflow.server.gpu.registration import DeviceRegistration, ExportedTensor, layout_of
 from pegaflow.server.store.namespace import KvLayout
 
@@ -319,7 +320,7 @@ class FakeIpc:
     def device_ordinal(self, uuid: str) -> int:
         return int(uuid[-1], 16) % 2  # ...fe -> GPU 0, ...ff -> GPU 1
 
-    def open(self, ordinal: int, handle: bytes) -> int:
+    def open(self, ordinal: int, handle: bytes, deadline: float | None = None) -> int:
         self.refs[handle] += 1
         return 1 << 40
 
@@ -610,3 +611,98 @@ def test_a_failed_copier_build_fails_its_waiters_and_the_next_registration_tries
     monkeypatch.setattr(service, "DeviceCopier", FakeCopier)
     assert gpu.register(session, inst, REG, time.monotonic() + 2).startswith("g-")
     assert calls == [0]
+
+
+# ------------------------------------------------------------------ 5. opening a worker's IPC handles
+
+
+class SlowDriver:
+    """cuda_runtime's cupy_module() and runtime() for IpcMappings: ``ipcOpenMemHandle`` of a handle
+    blocks until ``release[handle]`` is set (a driver call that takes its time), or raises if
+    ``fail`` names the handle."""
+
+    IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
+
+    def __init__(self):
+        self.release: collections.defaultdict[bytes, threading.Event] = collections.defaultdict(
+            threading.Event
+        )
+        self.calls: list[bytes] = []
+        self.fail: set[bytes] = set()
+
+    class _Device:
+        def __init__(self, ordinal):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    @property
+    def cuda(self):
+        return self
+
+    Device = _Device
+
+    def ipcOpenMemHandle(self, handle: bytes, flags: int) -> int:  # noqa: N802 - CUDA's name
+        self.calls.append(handle)
+        self.release[handle].wait(10)
+        if handle in self.fail:
+            raise RuntimeError("cudaErrorInvalidResourceHandle")
+        return 0x7000_0000 + handle[0] * 0x1000
+
+
+@pytest.fixture
+def slow_driver(monkeypatch):
+    from pegaflow.server.gpu import ipc
+
+    drv = SlowDriver()
+    monkeypatch.setattr(ipc.cuda_runtime, "cupy_module", lambda: drv)
+    monkeypatch.setattr(ipc.cuda_runtime, "runtime", lambda: drv)
+    monkeypatch.setattr(ipc.cuda_runtime, "IPC_MEM_LAZY_ENABLE_PEER_ACCESS", 1, raising=False)
+    return ipc.IpcMappings(), drv
+
+
+def test_an_ipc_open_waits_for_no_other_handle_and_for_its_own_only_by_its_deadline(slow_driver):
+    """Before, the table's lock was held through the driver call: every registration waited, with no
+    deadline, for any other registration's cudaIpcOpenMemHandle."""
+    mappings, drv = slow_driver
+    x, y = b"x" * 64, b"y" * 64
+    opener, first = _in_thread(mappings.open, 0, x, time.monotonic() + 10)
+    _eventually(lambda: drv.calls == [x])  # x's driver call is in progress
+    drv.release[y].set()
+    start = time.monotonic()
+    assert mappings.open(0, y, time.monotonic() + 10) == 0x7000_0000 + ord("y") * 0x1000  # not behind x
+    assert time.monotonic() - start < 1.0
+    start = time.monotonic()
+    with pytest.raises(DeadlineExceeded):
+        mappings.open(0, x, time.monotonic() + 0.3)  # the same handle: it waits, by its deadline
+    assert 0.25 < time.monotonic() - start < 2.0
+    drv.release[x].set()
+    opener.join(5)
+    assert first["value"] == 0x7000_0000 + ord("x") * 0x1000
+    assert mappings.open(0, x, time.monotonic() + 1) == first["value"]  # shared: no second driver call
+    assert drv.calls == [x, y]
+    mappings.close(x)
+    assert len(mappings) == 2  # x still has a reference (the caller that gave up took none)
+    mappings.close(x)
+    assert len(mappings) == 1
+
+
+def test_a_failed_ipc_open_fails_its_waiters_and_the_next_open_tries_again(slow_driver):
+    mappings, drv = slow_driver
+    x = b"x" * 64
+    drv.fail.add(x)
+    opener, first = _in_thread(mappings.open, 0, x)
+    _eventually(lambda: drv.calls == [x])
+    waiter, second = _in_thread(mappings.open, 0, x, time.monotonic() + 10)
+    time.sleep(0.05)
+    drv.release[x].set()
+    opener.join(5), waiter.join(5)
+    assert isinstance(first["error"], IpcError) and isinstance(second["error"], IpcError)
+    assert len(mappings) == 0
+    drv.fail.clear()
+    assert mappings.open(0, x) == 0x7000_0000 + ord("x") * 0x1000
+    assert drv.calls == [x, x]
