@@ -738,12 +738,12 @@ class WorkerConnector:
             helper = self._load_helper.submit(self._load_cuda_requests, client, handle, job, todo)
         self._load_cuda_requests(client, handle, job, todo)
         if helper is not None:
-            try:
-                # Its RPCs end by the step's deadline: past that (and a grace), nothing landed.
-                helper.result(timeout=_remaining(job.deadline) + _LOAD_HELPER_GRACE_S)
-            except concurrent.futures.TimeoutError:
+            # Its RPCs end by the step's deadline: past that (and a grace), nothing landed.
+            concurrent.futures.wait([helper], timeout=_remaining(job.deadline) + _LOAD_HELPER_GRACE_S)
+            if not helper.done():
                 log.warning("pegaflow: a device load was still running past the step's deadline; recomputing")
                 return
+            helper.result()  # an error of ours on the helper: _run_load reports every block failed
         with job.lock:
             if not job.cancelled:
                 job.layers_landed = len(self.layer_names)
