@@ -589,6 +589,22 @@ class BlockStore:
             ):
                 del self._clean_reserve[key]
 
+    def _note_freed_many(self, slots: Sequence[int], length: int) -> None:
+        """``_note_freed`` of slots of one size, in one pass."""
+        clean_reserve = self._clean_reserve
+        if not clean_reserve:
+            return
+        allocator, owner_of = self.allocator, self._slot_owner.get
+        assignment, part_of = allocator.assignment, allocator.part_of
+        single_part = allocator.parts == 1
+        for slot in slots:
+            key = (length, 0 if single_part else part_of(slot))
+            clean = clean_reserve.get(key)
+            if clean is not None and owner_of(slot) != (clean[0], assignment(slot)):
+                del clean_reserve[key]
+                if not clean_reserve:
+                    return
+
     def _evictable(self, entry: BlockEntry | None) -> bool:
         return (
             entry is not None
@@ -627,6 +643,36 @@ class BlockStore:
             self.counters.evictions += 1
         self._forget_if_gone(entry)
         return True
+
+    def _evict_dram_many(self, entries: Sequence[BlockEntry]) -> None:
+        """``_evict_dram(entry, tell_policy=False, unpublished=True)`` of each, in order, in one pass:
+        evictable blocks that the lane no longer publishes (or there is no lane), the policy told by
+        the caller. The eviction stream's hot path: a full pool evicts a block for every block saved,
+        and a call for each step of each victim was ~4 us (under a 16 MiB save stream, about half of
+        the server's interpreter time)."""
+        index, allocator = self.index, self.allocator
+        slots = index.detach_slots(entries)
+        # _release_slot of each: the holds first (a slab that empties must have none), then the frees,
+        # per size (each slab's slots are freed in the order given, as one by one).
+        allocator.unhold_many([slot for entry, slot in zip(entries, slots, strict=True) if entry.held])
+        by_size: dict[int, list[int]] = {}
+        for entry, slot in zip(entries, slots, strict=True):
+            entry.held = False
+            by_size.setdefault(entry.length, []).append(slot)
+        if self.journal is not None:
+            for slot in slots:
+                self.journal.dropped(slot)
+        for length, freed in by_size.items():
+            allocator.free_many(freed, length)
+            self._note_freed_many(freed, length)
+        if self.publishing:
+            self.published.extend((False, entry.key[0], entry.key[1]) for entry in entries)
+        kept_on_ssd = sum(1 for entry in entries if entry.ssd_ready)
+        self.counters.dram_drops_kept_on_ssd += kept_on_ssd
+        self.counters.evictions += len(entries) - kept_on_ssd
+        # _forget_if_gone of each: a block with no copy left leaves the index.
+        get = index.get
+        index.forget_many([entry for entry in entries if entry.ssd is None and get(entry.key) is entry])
 
     def _forget_if_gone(self, entry: BlockEntry) -> None:
         if (
@@ -695,8 +741,10 @@ class BlockStore:
         kept = {entry.key for entry in keep}
         refused: set[BlockKey] = set()  # victims a read lane lease reads: kept, and not offered again
 
+        evictable = self._evictable
+
         def skip(key: BlockKey) -> bool:
-            return key in kept or key in refused or not self._evictable(get(key))
+            return key in kept or key in refused or not evictable(get(key))
 
         def skip_lane_pinned(key: BlockKey) -> bool:  # victims asked one by one: the lane asked per key
             return skip(key) or self._lane_pinned(key)
@@ -733,6 +781,19 @@ class BlockStore:
             # The read lane's leases pin without the engine lock: one atomic call takes the batch out of
             # its directory, all but what a lane lease reads now (that one stays: it is in use).
             taken = self.lane.unpublish_many(batch) if self.lane is not None else None
+            entries = self._evictable_batch(batch) if taken is None or 0 not in taken else None
+            if entries is not None:
+                # The usual batch, every victim evictable and let go by the lane: the victims the loop
+                # below would evict (up to the one after which the slots are there) go in one pass.
+                stop = self._victims_until_enough(entries, block_bytes, part, available, need)
+                gone = entries[:stop]
+                self._evict_dram_many(gone)
+                if taken is not None and stop < len(entries):
+                    self._republish(entries[stop:])
+                freed_elsewhere += sum(entry.length for entry in gone if entry.length != block_bytes)
+                victims += stop
+                policy.on_remove_many(batch[:stop])
+                continue
             evicted = []
             part_of = allocator.part_of
             for i, victim in enumerate(batch):
@@ -766,6 +827,38 @@ class BlockStore:
                     break
             policy.on_remove_many(evicted)
         return True
+
+    def _evictable_batch(self, batch: Sequence[BlockKey]) -> list[BlockEntry] | None:
+        """The entries of ``batch`` when every one is evictable, else None (taken one by one)."""
+        get, evictable = self.index.get, self._evictable
+        entries = [get(key) for key in batch]
+        return entries if all(map(evictable, entries)) else None
+
+    def _victims_until_enough(
+        self, entries: Sequence[BlockEntry], block_bytes: int, part: int, available: int, need: int
+    ) -> int:
+        """How many of ``entries`` (evictable, in order) _evict_for's loop evicts one by one: all, or up
+        to the first after which ``need`` slots of ``block_bytes`` are available in ``part``. Each
+        victim of that size there frees one; one of another size (or part) frees a slab's worth when
+        it empties its slab in ``part``, else none (allocator.available, step by step, without the
+        frees)."""
+        allocator = self.allocator
+        part_of = allocator.part_of
+        freed_in: dict[int, int] = {}  # slab index -> this batch's victims there so far
+        per_slab = 0
+        for i, entry in enumerate(entries):
+            slot = entry.dram
+            if entry.length == block_bytes and part_of(slot) == part:
+                available += 1
+            else:
+                slab, used, slab_part = allocator.slab_usage(slot)
+                freed = freed_in[slab] = freed_in.get(slab, 0) + 1
+                if freed == used and slab_part == part:
+                    per_slab = per_slab or allocator.slots_per_slab(block_bytes)
+                    available += per_slab
+            if available >= need:
+                return i + 1
+        return len(entries)
 
     def _republish(self, entries) -> None:
         """Entries the lane's unpublish_many took out that stay readable after all: published again."""

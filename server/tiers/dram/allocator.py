@@ -242,19 +242,40 @@ class SlabAllocator:
 
     def free(self, offset: int) -> None:
         """Returns a slot. An emptied slab goes back to its part's free list, available to any size."""
+        self.free_many((offset,), self._slab_at(offset).block_bytes)
+
+    def slab_usage(self, offset: int) -> tuple[int, int, int]:
+        """(slab index, slots in use, part) of the slab holding the allocated slot ``offset``: freeing
+        ``used`` of its slots hands the slab back to its part's free slabs."""
         slab = self._slab_at(offset)
-        cls = self._classes[(slab.part, slab.block_bytes)]
-        if not slab.free:
-            self._mark_partial(cls, slab.index)
-        slab.free.append(offset)
-        slab.used -= 1
-        cls.used -= 1
-        cls.free_slots += 1
-        self.used_bytes -= slab.block_bytes
-        if slab.used == 0:
-            if slab.holds:
-                raise AssertionError(f"slab {slab.index} emptied with {slab.holds} holds")
-            self._release_slab(cls, slab)
+        return slab.index, slab.used, slab.part
+
+    def slots_per_slab(self, block_bytes: int) -> int:
+        """Slots of this size a free slab gives (``available`` counts each free slab as that many)."""
+        return self.slab_bytes // slot_stride(block_bytes, self.slot_align)
+
+    def free_many(self, offsets: Sequence[int], block_bytes: int) -> None:
+        """``free`` of slots of one size this allocator handed out, in order, in one pass (an eviction
+        batch's hot path). Validated as ``free`` validates: a bad offset raises, the ones before it
+        freed."""
+        slabs, size, classes = self._slabs, self.slab_bytes, self._classes
+        capacity = self.capacity_bytes
+        for offset in offsets:
+            slab = slabs[offset // size] if 0 <= offset < capacity else None
+            if slab is None or (offset - slab.base) % slab.stride or slab.block_bytes != block_bytes:
+                raise ValueError(f"offset {offset} is not an allocated slot of {block_bytes} bytes")
+            cls = classes[(slab.part, block_bytes)]
+            if not slab.free:
+                self._mark_partial(cls, slab.index)
+            slab.free.append(offset)
+            slab.used -= 1
+            cls.used -= 1
+            cls.free_slots += 1
+            self.used_bytes -= block_bytes
+            if slab.used == 0:
+                if slab.holds:
+                    raise AssertionError(f"slab {slab.index} emptied with {slab.holds} holds")
+                self._release_slab(cls, slab)
 
     def restore(self, slots: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """Marks ``(offset, block_bytes)`` slots as allocated on a fresh allocator (a restarted server

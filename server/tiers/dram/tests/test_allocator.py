@@ -189,3 +189,40 @@ def test_an_emptied_slab_goes_back_to_its_part_and_reclaim_stays_in_the_part():
 def test_parts_that_leave_no_pool_or_are_empty_are_refused(parts):
     with pytest.raises(ValueError, match="cannot hold parts"):
         SlabAllocator(16 * MIB, slab_bytes=4 * MIB, part_slabs=parts)
+
+
+def _allocator_state(alloc: SlabAllocator) -> tuple:
+    stats = alloc.stats()
+    return (
+        alloc.used_bytes,
+        alloc.free_slabs,
+        stats,
+        [alloc.allocate_many(size, 3) for size in (256 * 1024, 1 * MIB)],  # what comes next, in order
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 10_000), min_size=1, max_size=60))
+def test_free_many_leaves_the_allocator_as_frees_one_by_one_do(picks):
+    one, many = SlabAllocator(16 * MIB, slab_bytes=2 * MIB), SlabAllocator(16 * MIB, slab_bytes=2 * MIB)
+    taken = one.allocate_many(256 * 1024, 64)
+    assert many.allocate_many(256 * 1024, 64) == taken
+    one.allocate_many(1 * MIB, 4), many.allocate_many(1 * MIB, 4)  # another size beside them
+    chosen = list(dict.fromkeys(taken[p % len(taken)] for p in picks))  # distinct, in pick order
+    for offset in chosen:
+        one.free(offset)
+    many.free_many(chosen, 256 * 1024)
+    assert _allocator_state(many) == _allocator_state(one)
+
+
+def test_free_many_refuses_a_slot_it_did_not_hand_out_or_of_another_size():
+    alloc = SlabAllocator(16 * MIB, slab_bytes=2 * MIB)
+    offsets = alloc.allocate_many(256 * 1024, 4)
+    big = alloc.allocate(1 * MIB)
+    with pytest.raises(ValueError):
+        alloc.free_many([offsets[0] + 4096], 256 * 1024)  # inside a slot
+    with pytest.raises(ValueError):
+        alloc.free_many([big], 256 * 1024)  # a slot of another size
+    with pytest.raises(ValueError):
+        alloc.free_many([15 * MIB], 256 * 1024)  # a slab never cut
+    assert alloc.used_bytes == 4 * 256 * 1024 + 1 * MIB  # nothing freed by the refusals
