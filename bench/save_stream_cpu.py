@@ -172,17 +172,7 @@ def main() -> int:
                 row = run(threads, args.seconds, pathlib.Path(d), args.server_pythonpath, args.windows, copy)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    summary = {}
-    for threads in (1, 2):
-        mine = [r for r in rows if r["threads"] == threads]
-        summary[threads] = {
-            key: {"median": statistics.median(r[key] for r in mine), "worst": max(r[key] for r in mine)}
-            for key in ("server_cpu_ms_per_batch", "client_cpu_ms_per_batch")
-        } | {"batches_per_s": {"median": statistics.median(r["batches_per_s"] for r in mine),
-                               "worst": min(r["batches_per_s"] for r in mine)}}  # fmt: skip
-        windows = [x for r in mine if "windows" in r for x in r["windows"]["save_vs_memcpy"]]
-        if windows:  # the ratio over every window of this thread count (reports before 2026-12-07: none)
-            summary[threads]["save_vs_memcpy"] = {"median": statistics.median(windows), "worst": min(windows)}
+    summary = summarize(rows)
     args.out.mkdir(parents=True, exist_ok=True)
     result = {
         "label": args.label,
@@ -196,13 +186,42 @@ def main() -> int:
     return 0
 
 
+def summarize(rows: list[dict]) -> dict:
+    """Per thread count: the median and worst of the rows' CPU per batch and batches per second, and
+    of every window's save / memcpy ratio."""
+    summary = {}
+    for threads in (1, 2):
+        mine = [r for r in rows if r["threads"] == threads]
+        summary[threads] = {
+            key: {"median": statistics.median(r[key] for r in mine), "worst": max(r[key] for r in mine)}
+            for key in ("server_cpu_ms_per_batch", "client_cpu_ms_per_batch")
+        } | {"batches_per_s": {"median": statistics.median(r["batches_per_s"] for r in mine),
+                               "worst": min(r["batches_per_s"] for r in mine)}}  # fmt: skip
+        windows = [x for r in mine if "windows" in r for x in r["windows"]["save_vs_memcpy"]]
+        if windows:  # the ratio over every window of this thread count (reports before 2026-12-07: none)
+            summary[threads]["save_vs_memcpy"] = {"median": statistics.median(windows), "worst": min(windows)}
+    return summary
+
+
 def compare(paths: list[pathlib.Path], out: pathlib.Path) -> int:
-    """The arms side by side in one plot, and their reports merged in one JSON."""
-    arms = [json.loads(p.read_text()) for p in paths]
+    """The arms side by side in one plot, and their reports merged in one JSON. Reports with the same
+    label (runs of one arm alternated with another's) become one arm: their rows together, summarized
+    again."""
+    arms: dict[str, dict] = {}
+    for path in paths:
+        report = json.loads(path.read_text())
+        arm = arms.get(report["label"])
+        if arm is None:
+            arms[report["label"]] = report | {"reports": [str(path)]}
+        else:
+            arm["rows"] = arm["rows"] + report["rows"]
+            arm["reports"].append(str(path))
+    for arm in arms.values():
+        if len(arm["reports"]) > 1:
+            arm["summary"] = {str(k): v for k, v in summarize(arm["rows"]).items()}
     out.mkdir(parents=True, exist_ok=True)
-    plot(arms, out / "save_stream_cpu.png")
-    merged = {arm["label"]: arm for arm in arms}
-    (out / "save_stream_cpu.json").write_text(json.dumps(merged, indent=2) + "\n")
+    plot(list(arms.values()), out / "save_stream_cpu.png")
+    (out / "save_stream_cpu.json").write_text(json.dumps(arms, indent=2) + "\n")
     return 0
 
 

@@ -104,3 +104,32 @@ def test_gpu_bench_stream_summary_gives_each_in_flight_counts_median_and_slowest
             "load_worst": 0.97,
         },
     ]
+
+
+def test_save_stream_compare_merges_runs_of_one_arm_and_summarizes_them_again(tmp_path):
+    from pegaflow.bench.save_stream_cpu import compare
+
+    def row(threads, cpu, ratio):
+        return {
+            "threads": threads,
+            "batches_per_s": 1000 / cpu,
+            "server_cpu_ms_per_batch": cpu,
+            "client_cpu_ms_per_batch": cpu + 0.2,
+            "windows": {"save_vs_memcpy": [ratio, ratio - 0.1]},
+        }
+
+    paths = []
+    for i, (label, cpu) in enumerate([("before", 1.0), ("after", 0.8), ("before", 1.2), ("after", 0.9)]):
+        report = {"label": label, "rows": [row(1, cpu, 0.8), row(2, cpu + 0.2, 0.5)], "summary": {}}
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(report))
+    compare(paths, tmp_path / "out")
+    merged = json.loads((tmp_path / "out" / "save_stream_cpu.json").read_text())
+    assert list(merged) == ["before", "after"]
+    assert len(merged["before"]["rows"]) == 4
+    assert merged["before"]["reports"] == [str(paths[0]), str(paths[2])]
+    one = merged["before"]["summary"]["1"]
+    assert one["server_cpu_ms_per_batch"] == {"median": 1.1, "worst": 1.2}
+    assert one["save_vs_memcpy"] == {"median": pytest.approx(0.75), "worst": pytest.approx(0.7)}
+    assert merged["after"]["summary"]["2"]["server_cpu_ms_per_batch"]["worst"] == pytest.approx(1.1)
+    assert (tmp_path / "out" / "save_stream_cpu.png").exists()
