@@ -578,19 +578,11 @@ class BlockStore:
         self._note_freed(slot, entry.length)
 
     def _note_freed(self, slot: int, length: int) -> None:
-        """A slot of ``length`` went back to the allocator: unless it was the namespace's that its
-        size's free slots are known to belong to, they no longer are (see _clean_reserve)."""
-        if self._clean_reserve:
-            key = (length, self.allocator.part_of(slot))
-            clean = self._clean_reserve.get(key)
-            if clean is not None and self._slot_owner.get(slot) != (
-                clean[0],
-                self.allocator.assignment(slot),
-            ):
-                del self._clean_reserve[key]
+        self._note_freed_many((slot,), length)
 
     def _note_freed_many(self, slots: Sequence[int], length: int) -> None:
-        """``_note_freed`` of slots of one size, in one pass."""
+        """Slots of ``length`` went back to the allocator: unless each was the namespace's that its
+        size's free slots are known to belong to, they no longer are (see _clean_reserve)."""
         clean_reserve = self._clean_reserve
         if not clean_reserve:
             return
@@ -631,25 +623,17 @@ class BlockStore:
             or (not unpublished and entry.dram_ready and not entry.corrupt and not lane.unpublish(entry))
         ):
             return False
-        slot = self.index.detach_slot(entry)
-        self._release_slot(entry, slot)
+        self._evict_dram_many((entry,))
         if tell_policy:
             self.policy.on_remove(entry.key)
-        if self.publishing:
-            self.published.append((False, entry.key[0], entry.key[1]))
-        if entry.ssd_ready:
-            self.counters.dram_drops_kept_on_ssd += 1
-        else:
-            self.counters.evictions += 1
-        self._forget_if_gone(entry)
         return True
 
     def _evict_dram_many(self, entries: Sequence[BlockEntry]) -> None:
-        """``_evict_dram(entry, tell_policy=False, unpublished=True)`` of each, in order, in one pass:
-        evictable blocks that the lane no longer publishes (or there is no lane), the policy told by
-        the caller. The eviction stream's hot path: a full pool evicts a block for every block saved,
-        and a call for each step of each victim was ~4 us (under a 16 MiB save stream, about half of
-        the server's interpreter time)."""
+        """Drops the DRAM copy of each, in order, in one pass: blocks the read lane no longer publishes
+        (or there is no lane) and nobody uses, the policy told by the caller (``_evict_dram`` of each).
+        The eviction stream's hot path: a full pool evicts a block for every block saved, and a call
+        for each step of each victim was ~4 us (under a 16 MiB save stream, about half of the
+        server's interpreter time)."""
         index, allocator = self.index, self.allocator
         slots = index.detach_slots(entries)
         # _release_slot of each: the holds first (a slab that empties must have none), then the frees,
@@ -661,7 +645,7 @@ class BlockStore:
             by_size.setdefault(entry.length, []).append(slot)
         if self.journal is not None:
             for slot in slots:
-                self.journal.dropped(slot)
+                self.journal.dropped(slot)  # the journal ignores a slot it never named
         for length, freed in by_size.items():
             allocator.free_many(freed, length)
             self._note_freed_many(freed, length)
@@ -672,7 +656,13 @@ class BlockStore:
         self.counters.evictions += len(entries) - kept_on_ssd
         # _forget_if_gone of each: a block with no copy left leaves the index.
         get = index.get
-        index.forget_many([entry for entry in entries if entry.ssd is None and get(entry.key) is entry])
+        index.forget_many(
+            [
+                entry
+                for entry in entries
+                if entry.state == SEALED and entry.ssd is None and entry.io == 0 and get(entry.key) is entry
+            ]
+        )
 
     def _forget_if_gone(self, entry: BlockEntry) -> None:
         if (

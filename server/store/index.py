@@ -101,7 +101,7 @@ class BlockIndex:
         self.dram_ready = 0
         self.ssd_ready = 0
         # get(key) -> the entry or None: the dict's own method, not a method calling it (the store
-        # looks up every block of every grant, seal and eviction; a Python frame each was ~10% of it).
+        # looks up every block of every grant, seal and eviction: a frame each was ~6 % of its time).
         self.get = self._blocks.get
 
     def at_slot(self, offset: int) -> BlockEntry | None:
@@ -268,12 +268,13 @@ class BlockIndex:
             entry.pins = 0  # a lease that still lists it unpins nothing
 
     def forget_many(self, entries: Sequence[BlockEntry]) -> None:
-        """``remove`` of sealed, unpinned blocks left with no copy at all (evicted from DRAM, none on
-        SSD), in one pass (an eviction batch)."""
+        """``remove`` of each, in one pass: for an eviction batch, whose blocks are sealed and left with
+        no copy at all (anything else takes ``remove`` itself)."""
         blocks, per_ns, sealed_per_ns = self._blocks, self._entries_per_ns, self._sealed_per_ns
         for entry in entries:
-            if entry.state != SEALED or entry.dram != NO_SLOT or entry.ssd is not None or entry.pins:
-                raise AssertionError(f"forget_many of a block that is not gone: {entry!r}")
+            if entry.state != SEALED or entry.dram != NO_SLOT or entry.ssd_ready or entry.pins:
+                self.remove(entry)
+                continue
             key = entry.key
             del blocks[key]
             ns = key[0]
@@ -287,7 +288,7 @@ class BlockIndex:
                 sealed_per_ns[ns] = left
             else:
                 del sealed_per_ns[ns]
-        self.sealed -= len(entries)
+            self.sealed -= 1
 
     # ------------------------------------------------------------------- pins
 
