@@ -569,13 +569,25 @@ class BlockStore:
             entry.held = want
 
     def _release_slot(self, entry: BlockEntry, slot: int) -> None:
-        if entry.held:
-            self.allocator.unhold(slot)
-            entry.held = False
+        self._release_slots((entry,), (slot,))
+
+    def _release_slots(self, entries: Sequence[BlockEntry], slots: Sequence[int]) -> None:
+        """Gives each entry's detached DRAM slot back to the allocator, in order: its hold first (a
+        slab that empties must have none), then the frees, per size (each slab's slots freed in the
+        order given, as one by one)."""
+        allocator = self.allocator
+        by_size: dict[int, list[int]] = {}
+        for entry, slot in zip(entries, slots, strict=True):
+            if entry.held:
+                allocator.unhold(slot)
+                entry.held = False
+            by_size.setdefault(entry.length, []).append(slot)
         if self.journal is not None:
-            self.journal.dropped(slot)  # the journal ignores a slot it never named
-        self.allocator.free(slot)
-        self._note_freed(slot, entry.length)
+            for slot in slots:
+                self.journal.dropped(slot)  # the journal ignores a slot it never named
+        for length, freed in by_size.items():
+            allocator.free_many(freed, length)
+            self._note_freed_many(freed, length)
 
     def _note_freed(self, slot: int, length: int) -> None:
         self._note_freed_many((slot,), length)
@@ -634,21 +646,8 @@ class BlockStore:
         The eviction stream's hot path: a full pool evicts a block for every block saved, and a call
         for each step of each victim was ~4 us (under a 16 MiB save stream, about half of the
         server's interpreter time)."""
-        index, allocator = self.index, self.allocator
-        slots = index.detach_slots(entries)
-        # _release_slot of each: the holds first (a slab that empties must have none), then the frees,
-        # per size (each slab's slots are freed in the order given, as one by one).
-        allocator.unhold_many([slot for entry, slot in zip(entries, slots, strict=True) if entry.held])
-        by_size: dict[int, list[int]] = {}
-        for entry, slot in zip(entries, slots, strict=True):
-            entry.held = False
-            by_size.setdefault(entry.length, []).append(slot)
-        if self.journal is not None:
-            for slot in slots:
-                self.journal.dropped(slot)  # the journal ignores a slot it never named
-        for length, freed in by_size.items():
-            allocator.free_many(freed, length)
-            self._note_freed_many(freed, length)
+        index = self.index
+        self._release_slots(entries, index.detach_slots(entries))
         if self.publishing:
             self.published.extend((False, entry.key[0], entry.key[1]) for entry in entries)
         kept_on_ssd = sum(1 for entry in entries if entry.ssd_ready)
