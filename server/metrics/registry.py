@@ -123,6 +123,9 @@ class ServerMetrics(EngineObserver):
         self.dropped_lookups = 0
         self._engine: KVEngine | None = None
         self._pending: deque[tuple[int, Sequence[bytes], int]] = deque()
+        # One taker at a time (the feeder, a scrape's flush): a lookup split across slices keeps its
+        # head at the front of the queue in place, so the queue never looks empty while keys remain.
+        self._take_lock = threading.Lock()
         self._state_lock = threading.Lock()  # hit_rate: feeder writes, scrapes read
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -266,25 +269,25 @@ class ServerMetrics(EngineObserver):
     def _feed_some(self, max_keys: int, deadline: float | None = None) -> None:
         """Feeds up to ``max_keys`` keys of the pending lookups, oldest first. A lookup longer than
         what is left of ``max_keys`` is split: its tail now (the miss-ratio curve takes a lookup's
-        keys tail first), its head back at the front of the queue, its leading hits shared out."""
+        keys tail first), its head left at the front of the queue, its leading hits shared out."""
         records: list[LookupRecord] = []
         batch: list[tuple[int, Sequence[bytes], int]] = []
         hits = requests = keys = 0
-        while self._pending and keys < max_keys:
-            try:
-                ns_index, hashes, nhits = self._pending.popleft()
-            except IndexError:
-                break
-            room = max_keys - keys
-            if len(hashes) > room:
-                head = len(hashes) - room
-                self._pending.appendleft((ns_index, hashes[:head], min(nhits, head)))
-                hashes, nhits = hashes[head:], max(nhits - head, 0)
-            batch.append((ns_index, hashes, nhits))
-            records.append(LookupRecord(ns_index, self.insights.block_bytes(ns_index), hashes))
-            keys += len(hashes)
-            hits += nhits
-            requests += len(hashes)
+        with self._take_lock:  # on_lookup only appends on the right: the front is ours
+            while self._pending and keys < max_keys:
+                ns_index, hashes, nhits = self._pending[0]
+                room = max_keys - keys
+                if len(hashes) > room:
+                    head = len(hashes) - room
+                    self._pending[0] = (ns_index, hashes[:head], min(nhits, head))
+                    hashes, nhits = hashes[head:], max(nhits - head, 0)
+                else:
+                    self._pending.popleft()
+                batch.append((ns_index, hashes, nhits))
+                records.append(LookupRecord(ns_index, self.insights.block_bytes(ns_index), hashes))
+                keys += len(hashes)
+                hits += nhits
+                requests += len(hashes)
         if not requests:
             return
         with self._state_lock:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 
 import pytest
 
@@ -116,6 +117,27 @@ def test_a_lookup_split_across_slices_keeps_its_hits_and_order(server):
     assert seen == [(1, 16), (16, 16), (8, 8)]
     assert sum(h for h, _ in seen) == 25 and sum(r for _, r in seen) == 40
     assert not metrics._pending
+
+
+def test_the_queue_never_looks_empty_while_a_split_lookup_has_keys_left(server):
+    # A drain check (a scrape's, this file's _drain_s) must not see an empty queue between taking a
+    # lookup's tail and leaving its head: CI once saw a drained queue with a head still to feed.
+    metrics = server.metrics
+    metrics.close()
+    lengths: list[int] = []
+
+    class Watched(deque):
+        def popleft(self):
+            item = super().popleft()
+            lengths.append(len(self))
+            return item
+
+    metrics._pending = Watched([(0, [b"h%03d" % i for i in range(40)], 25)])
+    for _ in range(2):
+        metrics._feed_some(16)
+        assert 0 not in lengths and len(metrics._pending) == 1
+    metrics._feed_some(16)
+    assert lengths == [0] and not metrics._pending
 
 
 def test_every_engine_call_runs_inside_the_foreground_activity(server):
