@@ -15,6 +15,7 @@ worst. The CPU per batch counts the save windows only.
     .venv/bin/python bench/save_stream_cpu.py --server-pythonpath DIR ...   # another commit's server
     .venv/bin/python bench/save_stream_cpu.py --compare A.json B.json --out DIR   # the two on one plot
     .venv/bin/python bench/save_stream_cpu.py --no-copy ...   # the protocol and the server alone
+    .venv/bin/python bench/save_stream_cpu.py --server-arg=--free-reserve=0 ...   # a server setting
 
 ``--no-copy``: the same stream with the client's copy left out (each batch allocated and sealed, its
 slots keeping the fill's bytes: nobody reads them here), so its GB/s is the most the RPCs and the
@@ -51,15 +52,17 @@ STREAM = 8  # batches per save_batches call
 POOL = "3gb"
 
 
-def cpu_seconds(proc: psutil.Process) -> float:
-    total = 0.0
+def cpu_seconds(proc: psutil.Process) -> tuple[float, float]:
+    """(user, system) CPU seconds of ``proc`` and its children: the system share is the sockets'
+    and the thread wake-ups' kernel time."""
+    user = system = 0.0
     for p in [proc, *proc.children(recursive=True)]:
         try:
             t = p.cpu_times()
         except psutil.NoSuchProcess:
             continue
-        total += t.user + t.system
-    return total
+        user, system = user + t.user, system + t.system
+    return user, system
 
 
 RING = 32  # batches per thread in the memcpy reference's destination: 512 MiB, beyond the caches
@@ -72,9 +75,12 @@ def run(
     server_pythonpath: str | None,
     windows: int,
     copy: bool = True,
+    server_args: tuple[str, ...] = (),
 ) -> dict:
     env = {**os.environ, "PYTHONPATH": server_pythonpath} if server_pythonpath else None
-    with ServerProcess(tmp / f"t{threads}", pool_size=POOL, http_addr=None, env=env) as srv:
+    with ServerProcess(
+        tmp / f"t{threads}", pool_size=POOL, http_addr=None, env=env, extra_args=server_args
+    ) as srv:
         c = PegaClient(srv.addr, timeout_s=60.0, name="save-stream-cpu")
         c.connect()
         try:
@@ -121,15 +127,17 @@ def run(
 
             span = seconds / windows
             n = 0
-            elapsed = server_cpu = client_cpu = 0.0
+            elapsed = server_cpu = server_sys = client_cpu = client_sys = 0.0
             save_gbps, memcpy_gbps = [], []
             for _ in range(windows):
                 s0, m0 = cpu_seconds(server), me.cpu_times()
                 batches, took = window(stream, span)
                 s1, m1 = cpu_seconds(server), me.cpu_times()
                 n, elapsed = n + batches, elapsed + took
-                server_cpu += s1 - s0
+                server_cpu += sum(s1) - sum(s0)
+                server_sys += s1[1] - s0[1]
                 client_cpu += (m1.user - m0.user) + (m1.system - m0.system)
+                client_sys += m1.system - m0.system
                 save_gbps.append(batches * BATCH * BLOCK / took / 1e9)
                 copied, took = window(memcpy, span)
                 memcpy_gbps.append(copied * BATCH * BLOCK / took / 1e9)
@@ -144,6 +152,9 @@ def run(
         "gbps": n * BATCH * BLOCK / elapsed / 1e9,
         "server_cpu_ms_per_batch": server_cpu / n * 1e3,
         "client_cpu_ms_per_batch": client_cpu / n * 1e3,
+        "server_sys_ms_per_batch": server_sys / n * 1e3,
+        "client_sys_ms_per_batch": client_sys / n * 1e3,
+        "server_args": list(server_args),
         "memcpy_gbps": statistics.median(memcpy_gbps),
         "save_vs_memcpy": statistics.median(ratios),
         "save_vs_memcpy_worst": min(ratios),
@@ -161,6 +172,7 @@ def main() -> int:
     ap.add_argument("--compare", type=pathlib.Path, nargs="+", default=None)
     ap.add_argument("--windows", type=int, default=4, help="save / memcpy window pairs per run")
     ap.add_argument("--no-copy", action="store_true", help="leave the client's copy out (docstring)")
+    ap.add_argument("--server-arg", action="append", default=[], help="passed to the server (repeat)")
     args = ap.parse_args()
     if args.compare:
         return compare(args.compare, args.out)
@@ -169,7 +181,10 @@ def main() -> int:
         for _ in range(args.repeats):
             for threads in (1, 2):
                 copy = not args.no_copy
-                row = run(threads, args.seconds, pathlib.Path(d), args.server_pythonpath, args.windows, copy)
+                row = run(
+                    threads, args.seconds, pathlib.Path(d), args.server_pythonpath, args.windows, copy,
+                    tuple(args.server_arg),
+                )  # fmt: skip
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     summary = summarize(rows)
@@ -177,6 +192,7 @@ def main() -> int:
     result = {
         "label": args.label,
         "server_pythonpath": args.server_pythonpath,
+        "server_args": args.server_arg,
         "copy": not args.no_copy,
         "rows": rows,
         "summary": summary,

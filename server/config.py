@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 
-# Sizes, durations and addresses are parsed by common/units.py (the connector reads the same
-# spellings); re-exported here for the server's modules.
 from pegaflow.common.units import (  # noqa: F401
     GIB,
     KIB,
@@ -20,6 +18,10 @@ from pegaflow.common.units import (  # noqa: F401
     parse_host_port,
     parse_size,
 )
+
+# Sizes, durations and addresses are parsed by common/units.py (the connector reads the same
+# spellings); re-exported here for the server's modules.
+from pegaflow.server import interpreter_core
 
 MIN_POOL_BYTES = 4 * MIB  # one slab of the smallest size (tiers/dram/allocator.py)
 
@@ -88,6 +90,9 @@ class ServerConfig:
     # Free DRAM slots kept ahead of saves, evicted in the background (store/free_reserve.py); 0: a
     # save evicts for itself. The CLI's default is free_reserve.default_reserve_bytes(pool).
     free_reserve_bytes: int = 0
+    # The CPU the threads running the save and query path's Python share (server/interpreter_core.py):
+    # "auto" (one, on hosts of at most 2 CPUs), "off", or a CPU number.
+    interpreter_cpu: str | int = "auto"
     max_batch_blocks: int = 4096  # hashes per QueryPrefix / AllocateBlocks / SealBlocks
     # Per session: bounds what one buggy client can pile up (leases and saves also expire).
     max_instances_per_session: int = 1024
@@ -162,6 +167,7 @@ class ServerConfig:
             raise ValueError(
                 "--free-reserve (free_reserve_bytes) must be between 0 and a quarter of the pool"
             )
+        object.__setattr__(self, "interpreter_cpu", interpreter_core.parse_setting(self.interpreter_cpu))
         if self.slab_bytes is not None and not 0 < self.slab_bytes <= self.pool_size_bytes:
             raise ValueError("slab_bytes must be positive and no larger than the pool")
         if self.persist_pool and not self.pool_dir:

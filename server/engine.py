@@ -63,6 +63,7 @@ from pegaflow.server.errors import (
     PoolCapacityError,
     ResourceExhausted,
 )
+from pegaflow.server.interpreter_core import InterpreterCore
 from pegaflow.server.movers.block_hasher import BlockHasher
 from pegaflow.server.movers.foreground_priority import ForegroundPriority
 from pegaflow.server.movers.tier_io import TierMover
@@ -294,6 +295,9 @@ class KVEngine:
         self._reserve_wanted = threading.Event()
         self._lane_drain_lock = threading.Lock()  # before the engine lock, never inside it (_drain_lane)
         self._reserver: threading.Thread | None = None
+        # The CPU shared by the threads running the save path's Python: the reserve's and the local
+        # RPC socket's workers (runtime.py pins those).
+        self.interpreter_core = InterpreterCore(config.interpreter_cpu)
         if config.free_reserve_bytes:
             self._reserver = threading.Thread(
                 target=self._reserve_loop, name="pegaflow-free-reserve", daemon=True
@@ -1598,6 +1602,7 @@ class KVEngine:
         """Keeps the free-slot reserve (store/free_reserve.py): woken by an allocation that left it
         low, it evicts in slices of RESERVE_SLICE_BLOCKS under the lock (~0.1 ms each here), letting
         the requests waiting for the lock in between, while the client that allocated copies its bytes."""
+        self.interpreter_core.pin()
         while not self._stop.is_set():
             self._reserve_wanted.wait()
             self._reserve_wanted.clear()

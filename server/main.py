@@ -24,6 +24,7 @@ from pegaflow.common.cli import (
     parsed_by,
     positive_seconds,
 )
+from pegaflow.server import interpreter_core
 from pegaflow.server.config import ServerConfig, parse_host_port, parse_size, parse_windows
 from pegaflow.server.errors import PoolCapacityError
 from pegaflow.server.store.free_reserve import default_reserve_bytes
@@ -74,6 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --pool-dir: keep the pool file and a journal of its sealed blocks across restarts, so a "
         "restarted server (crash or upgrade) serves the blocks it held again, each verified by its checksum",
+    )
+    p.add_argument(
+        "--interpreter-cpu",
+        type=parsed_by(interpreter_core.parse_setting),
+        default="auto",
+        metavar="auto|off|CPU",
+        help="the CPU shared by the threads that run the save and query path's Python (the local RPC "
+        "socket's workers, the free-slot reserve): one interpreter lock, so one CPU saves its hand-offs "
+        "between CPUs. auto: the highest CPU this process may use, on hosts of at most 2 CPUs; off elsewhere",
     )
     p.add_argument(
         "--free-reserve",
@@ -391,6 +401,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         use_hugepages=args.use_hugepages,
         pool_dir=args.pool_dir,
         persist_pool=args.persist_pool,
+        interpreter_cpu=args.interpreter_cpu,
         free_reserve_bytes=(
             default_reserve_bytes(args.pool_size) if args.free_reserve is None else args.free_reserve
         ),

@@ -137,7 +137,13 @@ def _start_local_rpc(server: RunningServer, servicer: EngineServicer) -> None:
     """The local RPC socket; without it (it cannot be bound) clients simply use gRPC."""
     path = _local_rpc_socket_path(server.fd_socket_path)
     try:
-        local = LocalRpcServer(path, servicer, server.engine.epoch, MAX_MESSAGE_BYTES)
+        local = LocalRpcServer(
+            path,
+            servicer,
+            server.engine.epoch,
+            MAX_MESSAGE_BYTES,
+            worker_setup=server.engine.interpreter_core.pin,
+        )
     except OSError as exc:
         log.warning("local rpc socket %s unavailable (%s); local clients will use gRPC", path, exc)
         return

@@ -338,9 +338,10 @@ class _Conn:
 class _Workers:
     """Threads that serve busy connections: as many as are busy at once, none left over when idle."""
 
-    def __init__(self, serve, name: str, idle_exit_s: float = WORKER_IDLE_EXIT_S):
+    def __init__(self, serve, name: str, idle_exit_s: float = WORKER_IDLE_EXIT_S, thread_setup=None):
         self._serve = serve
         self._name = name
+        self._thread_setup = thread_setup
         self._idle_exit_s = idle_exit_s
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -366,6 +367,8 @@ class _Workers:
                 self._queue.put(None)
 
     def _run(self) -> None:
+        if self._thread_setup is not None:
+            self._thread_setup()
         while True:
             with self._lock:
                 if self._stopped:
@@ -412,7 +415,10 @@ class UnixFrameServer:
         linger_s: float = LINGER_S,
         frame_timeout_s: float = FRAME_TIMEOUT_S,
         memory_limit_bytes: int = MEMORY_LIMIT_BYTES,
+        worker_setup=None,
     ):
+        """``worker_setup``: called by each worker thread as it starts (the local RPC socket's pin it to
+        the interpreter's core: server/interpreter_core.py)."""
         if max_connections < 1 or idle_timeout_s <= 0 or linger_s < 0 or frame_timeout_s <= 0:
             raise ValueError("connection cap, idle timeout and frame timeout must be positive")
         self.path = path
@@ -437,7 +443,7 @@ class UnixFrameServer:
         self._closed = False
         self._backoff = AcceptBackoff(self._what)
         self._refusals = RateLimitedLog()
-        self._workers = _Workers(self._serve, f"pegaflow-{codec.name}")
+        self._workers = _Workers(self._serve, f"pegaflow-{codec.name}", thread_setup=worker_setup)
         self._loop = threading.Thread(target=self._run, name=f"pegaflow-{codec.name}-loop", daemon=True)
         # What happened to connections the server closed on its own (for tests and logs).
         self.evicted = self.idle_closed = self.refused = 0

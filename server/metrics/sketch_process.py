@@ -77,6 +77,7 @@ from collections.abc import Sequence
 
 from pegaflow.common.deadlines import acquire_by
 from pegaflow.common.wire import frames
+from pegaflow.server import interpreter_core
 from pegaflow.server.metrics.lookup_sketches import LookupRecord, LookupSketches, SketchSnapshot
 
 log = logging.getLogger(__name__)
@@ -213,6 +214,7 @@ class SketchProcess:
         env = dict(os.environ)
         # The child imports pegaflow the way this process did, whatever put it on sys.path.
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env = interpreter_core.child_environment(env)
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "pegaflow.server.metrics.sketch_process", "--fd", str(child.fileno()),
@@ -499,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True)
     args = ap.parse_args(argv)
     _die_with_parent()
+    interpreter_core.release_child()  # the server's CPUs, not a pinned thread's (a restart's)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is the server's to handle
     try:
         os.nice(CHILD_NICE)

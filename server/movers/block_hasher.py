@@ -14,13 +14,15 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from pegaflow.common.wire.checksum import checksum
+from pegaflow.server.interpreter_core import release_thread
 
 
 class BlockHasher:
     name = "hasher"
 
     def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pegaflow-hasher")
+        # Started from a sealing request's thread: not on that thread's pinned CPU (interpreter_core.py).
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pegaflow-hasher", initializer=release_thread)
 
     def hash(self, views: Sequence[memoryview]) -> Future[list[int]]:
         return self._pool.submit(lambda: [checksum(v) for v in views])

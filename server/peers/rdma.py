@@ -44,6 +44,7 @@ from typing import NamedTuple, Protocol
 
 from pegaflow.common.auth import ClientAuth
 from pegaflow.common.wire.checksum import checksum
+from pegaflow.server.interpreter_core import release_thread
 from pegaflow.server.peers.base import (
     BlockStatus,
     FetchResult,
@@ -720,6 +721,7 @@ class RdmaPeerLink(PeerLink):
         return fetch.future
 
     def _run(self) -> None:
+        release_thread()  # perhaps started from a pinned request thread (interpreter_core.py)
         # Busy-ish polling with short sleeps: a Python thread cannot wait on a CQ's completion
         # channel and a condition at once without more machinery; 20 us naps keep latency low.
         # Only this thread touches the engine's state after submit.

@@ -36,6 +36,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from pegaflow.server.interpreter_core import release_thread
 from pegaflow.server.peers.base import BlockStatus, PeerAddress, PeerError, PeerLink, Transport
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,10 @@ class RemoteSource:
         self._inflight: dict[tuple[int, bytes], float] = {}  # (ns index, first hash) -> started
         self._negative: dict[tuple[int, bytes], float] = {}  # -> until
         self._stats = RemoteStats()
-        self._pool = ThreadPoolExecutor(options.workers, thread_name_prefix="pegaflow-remote")
+        # Its threads start from a query's thread: not on that thread's pinned CPU (interpreter_core.py).
+        self._pool = ThreadPoolExecutor(
+            options.workers, thread_name_prefix="pegaflow-remote", initializer=release_thread
+        )
         self._closed = False
 
     # ------------------------------------------------------------ the engine's side

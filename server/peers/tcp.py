@@ -40,6 +40,7 @@ from pegaflow.common.auth import ClientAuth
 from pegaflow.common.wire import peer_frames as frames
 from pegaflow.common.wire.checksum import checksum
 from pegaflow.common.wire.frames import readable
+from pegaflow.server.interpreter_core import release_thread
 from pegaflow.server.peers import sockets
 from pegaflow.server.peers.base import (
     BlockStatus,
@@ -190,6 +191,7 @@ class _DeadlineWatch:
             self._cond.notify()
 
     def _run(self) -> None:
+        release_thread()  # perhaps started from a pinned request thread (interpreter_core.py)
         while True:
             with self._cond:
                 while not self._closed:
@@ -287,6 +289,7 @@ class _Stream:
     # -------------------------------------------------------------- worker
 
     def _run(self) -> None:
+        release_thread()  # perhaps started from a pinned request thread (interpreter_core.py)
         while True:
             with self._cond:
                 while not self._queue and not self._closed:
