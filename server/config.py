@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+# Sizes, durations and addresses are parsed by common/units.py (the connector reads the same
+# spellings); re-exported here for the server's modules.
 from pegaflow.common.units import (  # noqa: F401
     GIB,
     KIB,
@@ -18,9 +20,6 @@ from pegaflow.common.units import (  # noqa: F401
     parse_host_port,
     parse_size,
 )
-
-# Sizes, durations and addresses are parsed by common/units.py (the connector reads the same
-# spellings); re-exported here for the server's modules.
 from pegaflow.server import interpreter_core
 
 MIN_POOL_BYTES = 4 * MIB  # one slab of the smallest size (tiers/dram/allocator.py)
