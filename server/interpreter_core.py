@@ -45,17 +45,12 @@ PROCESS_CPUS = _allowed()
 
 def parse_setting(value: str | int) -> str | int:
     """``"auto"``, ``"off"`` or a CPU number (ValueError otherwise): the CLI's and the config's check."""
-    if isinstance(value, bool):
-        raise ValueError(f"interpreter_cpu must be auto, off or a CPU number, got {value!r}")
-    if isinstance(value, int):
-        cpu = value
-    elif value in ("auto", "off"):
+    if value in ("auto", "off") and isinstance(value, str):
         return value
-    else:
-        try:
-            cpu = int(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"interpreter_cpu must be auto, off or a CPU number, got {value!r}") from None
+    try:
+        cpu = int(value) if isinstance(value, str | int) and not isinstance(value, bool) else -1
+    except ValueError:
+        cpu = -1
     if cpu < 0:
         raise ValueError(f"interpreter_cpu must be auto, off or a CPU number, got {value!r}")
     if PROCESS_CPUS and cpu not in PROCESS_CPUS:
